@@ -1,0 +1,1 @@
+"""The public gRPC API and the `gramserve` command."""

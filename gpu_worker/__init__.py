@@ -1,0 +1,1 @@
+"""One process per tensor-parallel rank: model, slots, guided decoding, step loop."""

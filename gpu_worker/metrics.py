@@ -1,0 +1,60 @@
+"""Prometheus metrics of one worker rank. Names are a public interface (dashboards)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Step and mask times span ~10 µs (a mask row) to seconds (a long prefill on CPU).
+_FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+                 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class WorkerMetrics:
+    """Every metric a worker rank exports, registered on `registry`."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.step_seconds = Histogram(
+            "gramserve_worker_step_seconds", "Wall time of one engine step.",
+            ["phase"], buckets=_FAST_BUCKETS, registry=registry)
+        self.batch_size = Histogram(
+            "gramserve_worker_batch_size", "Sequences in one step.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=registry)
+        self.slots_in_use = Gauge(
+            "gramserve_worker_slots_in_use", "Slots holding a request (pending or running).",
+            registry=registry)
+        self.tokens = Counter(
+            "gramserve_worker_tokens_total", "Tokens processed.", ["kind"], registry=registry)
+        self.releases = Counter(
+            "gramserve_worker_releases_total", "Slots released, by reason.", ["reason"],
+            registry=registry)
+        self.tp_divergence = Counter(
+            "gramserve_worker_tp_divergence_total",
+            "Steps in which the ranks sampled different tokens for some slot.", registry=registry)
+        self.mask_fill_seconds = Histogram(
+            "gramserve_worker_mask_fill_seconds", "CPU time to fill the bitmask rows of a step.",
+            buckets=_FAST_BUCKETS, registry=registry)
+        self.mask_fill_exposed_seconds = Histogram(
+            "gramserve_worker_mask_fill_exposed_seconds",
+            "Part of the mask fill not hidden behind the forward pass.",
+            buckets=_FAST_BUCKETS, registry=registry)
+        self.mask_apply_seconds = Histogram(
+            "gramserve_worker_mask_apply_seconds", "Time to apply the bitmask to the logits.",
+            buckets=_FAST_BUCKETS, registry=registry)
+        self.guided_slots = Gauge(
+            "gramserve_worker_guided_slots", "Running slots with a grammar.", registry=registry)
+        self.grammar_dead_ends = Counter(
+            "gramserve_worker_grammar_dead_ends_total",
+            "Guided requests failed because the grammar allowed no token.", registry=registry)
+        self.grammar_cache_hits = Counter(
+            "gramserve_worker_grammar_cache_hits_total",
+            "Compiled grammars found in the worker's local cache.", registry=registry)
+        self.grammar_cache_misses = Counter(
+            "gramserve_worker_grammar_cache_misses_total",
+            "Compiled grammars fetched from the grammar service.", registry=registry)
+        self.grammar_cache_bytes = Gauge(
+            "gramserve_worker_grammar_cache_bytes",
+            "Serialized bytes of the compiled grammars cached on this rank.", registry=registry)
+        self.admit_expired = Counter(
+            "gramserve_worker_admit_expired_total",
+            "Allocations dropped because their Admit never reached every rank.",
+            registry=registry)

@@ -1,0 +1,1 @@
+"""Owns grammars and the vocabulary: compiles constraints with xgrammar and caches them."""

@@ -1,0 +1,202 @@
+"""gRPC plumbing shared by every gramserve server and client.
+
+- `ServiceError` and its subclasses: raise them from domain code; one interceptor maps them
+  to gRPC status codes, so servicers stay thin translators.
+- `create_server`: a grpc.Server with the standard health service and server reflection.
+- `env_default`: `GRAMSERVE_*` environment variables as command-line flag defaults.
+- `start_metrics_server`: Prometheus `/metrics` over HTTP for one registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# gRPC's default 4 MiB is too small for large prompts; compiled grammars are streamed.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class ServiceError(Exception):
+    """An error a caller caused or must handle, carried to the client as a gRPC status."""
+
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, field: str | None = None):
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, ServiceError):
+        context.abort(exc.code, str(exc))
+    log.exception("unhandled error in rpc")
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class _ErrorMapper(grpc.ServerInterceptor):
+    """Turns ServiceError into its status code and any other exception into INTERNAL."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+
+        def wrap_unary(fn):
+            def call(request, context):
+                try:
+                    return fn(request, context)
+                except ServiceError as exc:
+                    _abort(context, exc)
+                except Exception as exc:
+                    if context.code() is not None:  # already aborted by the servicer
+                        raise
+                    _abort(context, exc)
+            return call
+
+        def wrap_stream(fn):
+            def call(request, context):
+                try:
+                    yield from fn(request, context)
+                except ServiceError as exc:
+                    _abort(context, exc)
+                except Exception as exc:
+                    if context.code() is not None:
+                        raise
+                    _abort(context, exc)
+            return call
+
+        if handler.unary_unary:
+            return handler._replace(unary_unary=wrap_unary(handler.unary_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=wrap_stream(handler.unary_stream))
+        return handler
+
+
+def create_server(
+    register: Iterable[tuple[Callable[[Any, grpc.Server], None], Any, str]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 32,
+    tls: tuple[bytes, bytes] | None = None,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Build and start a server with health and reflection; return (server, port, health).
+
+    `register` lists (add_XServicer_to_server, servicer, full service name). Port 0 picks a
+    free port (tests). `tls` is (cert chain PEM, private key PEM). Every listed service is
+    set SERVING in the health service; callers flip it to NOT_SERVING when they lose a
+    dependency. Raises RuntimeError when the port cannot be bound.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[_ErrorMapper()],
+        options=CHANNEL_OPTIONS,
+    )
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+    for add, servicer, name in register:
+        add(servicer, server)
+        names.append(name)
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    address = f"{host}:{port}"
+    if tls:
+        cert_chain, private_key = tls
+        bound = server.add_secure_port(
+            address, grpc.ssl_server_credentials([(private_key, cert_chain)]))
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise RuntimeError(f"cannot bind {address}")
+    server.start()
+    for name in ["", *names[1:]]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, names: Iterable[str], serving: bool) -> None:
+    """Set the overall status and each named service SERVING or NOT_SERVING."""
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ["", *names]:
+        health_servicer.set(name, status)
+
+
+def channel(address: str, *, tls_ca: bytes | None = None) -> grpc.Channel:
+    """A client channel with gramserve's message limits (TLS when a CA PEM is given)."""
+    if tls_ca is not None:
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), CHANNEL_OPTIONS)
+    return grpc.insecure_channel(address, CHANNEL_OPTIONS)
+
+
+def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
+    """True when the server at `address` answers SERVING for `service` ("" = overall)."""
+    with channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def env_default(name: str, default: Any) -> Any:
+    """The value of GRAMSERVE_<NAME> (upper-cased, '-' → '_') or `default`.
+
+    Returned as a string when set; argparse converts it with the flag's `type`.
+    """
+    return os.environ.get("GRAMSERVE_" + name.upper().replace("-", "_"), default)
+
+
+def start_metrics_server(port: int, registry, host: str = "0.0.0.0"):
+    """Serve `/metrics` for `registry` on `port` (0 picks one); return (server, port).
+
+    A port of -1 disables metrics and returns (None, -1).
+    """
+    if port < 0:
+        return None, -1
+    from prometheus_client import start_http_server
+
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return server, server.server_port
