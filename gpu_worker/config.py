@@ -1,0 +1,106 @@
+"""Configuration of one worker rank: flags with GRAMSERVE_* environment defaults.
+
+Plain Python (no torch): `python -m gpu_worker` parses it before anything imports Triton, so
+the CPU device can switch Triton to its interpreter first.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from protos.rpc import env_default
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    rank: int
+    tp: int
+    dist_addr: str
+    host: str
+    port: int
+    model: str
+    grammar_service: str
+    device: str
+    dtype: str
+    slots: int
+    max_model_len: int
+    step_tokens: int
+    metrics_port: int
+    admit_timeout_s: float
+    collective_timeout_s: float
+    divergence_check_every: int
+    grammar_cache_bytes: int
+    torch_threads: int
+    tls_cert: str
+    tls_key: str
+    tls_ca: str
+
+    def __post_init__(self):
+        checks = [
+            (self.tp >= 1, "tp", "must be >= 1"),
+            (0 <= self.rank < self.tp, "rank", f"must be in [0, {self.tp})"),
+            (self.tp == 1 or ":" in self.dist_addr, "dist-addr", "must be HOST:PORT when tp > 1"),
+            (self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+             "must be auto, float32, bfloat16 or float16"),
+            (self.slots >= 1, "slots", "must be >= 1"),
+            (self.max_model_len >= 2, "max-model-len", "must be >= 2"),
+            (self.step_tokens >= self.slots, "step-tokens", "must be >= --slots"),
+            (self.admit_timeout_s > 0, "admit-timeout", "must be > 0"),
+            (self.collective_timeout_s > 0, "collective-timeout", "must be > 0"),
+            (self.divergence_check_every >= 0, "divergence-check-every", "must be >= 0"),
+            (self.grammar_cache_bytes > 0, "grammar-cache-bytes", "must be > 0"),
+            (bool(self.tls_cert) == bool(self.tls_key), "tls-cert", "needs --tls-key (and back)"),
+        ]
+        for ok, flag, why in checks:
+            if not ok:
+                raise ValueError(f"--{flag} {why}")
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> WorkerConfig:
+        """Parse flags (GRAMSERVE_<FLAG> env vars as defaults); ValueError names a bad flag."""
+        args = parser().parse_args(argv)
+        return cls(**{k: v for k, v in vars(args).items()})
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gramserve worker", description="One tensor-parallel rank.")
+    e = env_default
+    p.add_argument("--rank", type=int, default=e("rank", 0), help="this process's TP rank")
+    p.add_argument("--tp", type=int, default=e("tp", 1), help="ranks in the TP group")
+    p.add_argument("--dist-addr", default=e("dist_addr", "127.0.0.1:29500"),
+                   help="HOST:PORT rendezvous of the group (rank 0 listens there)")
+    p.add_argument("--host", default=e("host", "127.0.0.1"), help="gRPC bind address")
+    p.add_argument("--port", type=int, default=e("port", 50060), help="gRPC port (0 = any)")
+    p.add_argument("--model", default=e("model", ""),
+                   help="Hugging Face checkpoint directory; empty = the embedded default model")
+    p.add_argument("--grammar-service", default=e("grammar_service", "127.0.0.1:50052"),
+                   help="HOST:PORT of the grammar service")
+    p.add_argument("--device", default=e("device", "auto"), help="auto, cpu or cuda")
+    p.add_argument("--dtype", default=e("dtype", "auto"),
+                   help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--slots", type=int, default=e("slots", 8), help="concurrent requests")
+    p.add_argument("--max-model-len", type=int, default=e("max_model_len", 1024),
+                   help="most tokens (prompt + output) per slot")
+    p.add_argument("--step-tokens", type=int, default=e("step_tokens", 512),
+                   help="token budget of one step (decode tokens + prefill chunks)")
+    p.add_argument("--metrics-port", type=int, default=e("metrics_port", -1),
+                   help="Prometheus /metrics port; -1 = off, 0 = any")
+    p.add_argument("--admit-timeout", dest="admit_timeout_s", type=float,
+                   default=e("admit_timeout", 10.0),
+                   help="seconds an Admit may wait for the other ranks' Admits")
+    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float,
+                   default=e("collective_timeout", 30.0),
+                   help="seconds before a collective with a silent peer fails the rank")
+    p.add_argument("--divergence-check-every", type=int, default=e("divergence_check_every", 1),
+                   help="compare sampled ids across ranks every K steps (0 = never)")
+    p.add_argument("--grammar-cache-bytes", type=int, default=e("grammar_cache_bytes", 256 << 20),
+                   help="byte bound of this rank's compiled-grammar cache")
+    p.add_argument("--torch-threads", type=int, default=e("torch_threads", 0),
+                   help="CPU threads for torch (0 = cores / tp)")
+    p.add_argument("--tls-cert", default=e("tls_cert", ""), help="server certificate PEM file")
+    p.add_argument("--tls-key", default=e("tls_key", ""), help="server private key PEM file")
+    p.add_argument("--tls-ca", default=e("tls_ca", ""),
+                   help="CA PEM file for the connection to the grammar service")
+    return p

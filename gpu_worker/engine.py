@@ -1,0 +1,349 @@
+"""The step loop of one rank: lockstep admission, scheduling, forward, masks, sampling.
+
+One step, identical on every rank:
+  1. control all-reduce → starts and releases take effect (I2);
+  2. schedule: every decoding slot gets one token, prefill chunks fill the token budget;
+  3. start filling the guided rows' bitmasks on a CPU thread, run the forward meanwhile;
+  4. padded vocabulary ids masked for every row; bitmask applied to the guided rows only
+     (the kernel never touches an unguided row: I4);
+  5. sample with counter-based per-request noise (same tokens whatever the batch: I3);
+  6. optional all-reduce of the sampled ids (divergence check), then each rank accepts the
+     token into its own matcher (I1), dead ends fail one request (I6), finished slots are
+     freed with every piece of their state dropped (I5).
+The engine imports neither grpc nor protos: the server translates its events.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.control import ControlChannel, diverged_rows
+from gpu_worker.guided import MaskFiller
+from gpu_worker.model import ForwardBatch
+from gpu_worker.sampling import SamplingBatch, sample
+from gpu_worker.slots import Entry, SlotTable
+
+log = logging.getLogger(__name__)
+
+# Finish reasons, as plain strings (the server maps them to protos.FinishReason).
+STOP, LENGTH, GRAMMAR_COMPLETED, CANCELLED = "stop", "length", "grammar_completed", "cancelled"
+DEAD_END, DIVERGENCE, INTERNAL, UNAVAILABLE = "dead_end", "divergence", "internal", "unavailable"
+
+
+@dataclass
+class Request:
+    """A validated Admit, as the engine runs it. `events` is set on rank 0 only."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    grammar: object | None = None      # a GrammarHandle pinned in the worker's grammar cache
+    matcher: object | None = None      # this rank's own xgrammar.GrammarMatcher (I1)
+    events: queue.Queue | None = None
+    admitted_at: float = field(default_factory=time.monotonic)
+    release_grammar: Callable[[object], None] | None = None
+
+    def close(self) -> None:
+        """Drop the matcher and unpin the grammar (idempotent)."""
+        self.matcher = None
+        handle, self.grammar = self.grammar, None
+        if handle is not None and self.release_grammar is not None:
+            self.release_grammar(handle)
+
+    def emit(self, *event) -> None:
+        if self.events is not None:
+            self.events.put(event)
+
+
+@dataclass
+class Run:
+    """Engine state of one running slot. A new object per request, so nothing survives a
+    release (I5)."""
+
+    entry: Entry
+    req: Request
+    start_step: int
+    started_at: float = field(default_factory=time.monotonic)
+    prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    emitted: int = 0
+    first_token_at: float | None = None
+
+    @property
+    def slot(self) -> int:
+        return self.entry.slot
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens in the slot's KV cache (the newest sampled token is not in it yet)."""
+        return self.prefilled + max(0, len(self.generated) - 1)
+
+
+@dataclass
+class Seq:
+    """One sequence of a step: its new tokens, whether it samples, whether it is prefill."""
+
+    run: Run
+    tokens: list[int]
+    samples: bool
+    prefill: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_slots: int
+    max_model_len: int
+    step_tokens: int = 512           # per-step token budget (decode tokens + prefill chunks)
+    divergence_check_every: int = 1  # 0 disables the check
+    idle_poll_s: float = 0.005
+
+
+class Engine:
+    """Runs the step loop of one rank on its own thread."""
+
+    def __init__(self, cfg: EngineConfig, model, table: SlotTable, control: ControlChannel, *,
+                 vocab_size: int, model_vocab_size: int, eos_token_ids: tuple[int, ...],
+                 device: torch.device, metrics=None, on_fatal: Callable[[BaseException], None] | None = None):
+        self.cfg = cfg
+        self.model = model
+        self.table = table
+        self.control = control
+        self.vocab_size = vocab_size
+        self.model_vocab_size = model_vocab_size
+        self.eos = frozenset(eos_token_ids)
+        self.device = device
+        self.metrics = metrics
+        self.on_fatal = on_fatal
+        self.runs: dict[int, Run] = {}
+        self.step_index = 0
+        self.masks = MaskFiller(cfg.num_slots, model_vocab_size, device)
+        self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failed: BaseException | None = None
+        self.last_step_timings: dict[str, float] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.step()
+        except BaseException as exc:  # a lost peer, or a bug: this rank cannot go on
+            self.failed = exc
+            log.error("engine stopped: %s", exc, exc_info=not isinstance(exc, RuntimeError))
+            self.table.abort_step()
+            self._fail_all(UNAVAILABLE, f"worker rank failed: {exc}")
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Run one lockstep step (blocks briefly when idle)."""
+        if not self.runs:
+            self.table.wait_for_change(self.cfg.idle_poll_s)
+        try:
+            reduced = self.control.all_reduce_max(self.table.local_vector())
+        except BaseException:
+            self.table.abort_step()
+            raise
+        decision = self.table.apply(reduced)
+        for entry in decision.releases:
+            self._finish(self.runs[entry.slot], CANCELLED, "released", table_done=True)
+        for entry in decision.starts:
+            self.runs[entry.slot] = Run(entry, entry.payload, self.step_index)
+        self.step_index += 1
+        self._update_gauges()
+        if self.runs:
+            self._run_batch()
+
+    def _schedule(self) -> list[Seq]:
+        """The sequences of this step; the same result on every rank."""
+        decode = [r for r in self.runs.values() if r.prefilled == len(r.req.prompt)]
+        prefill = sorted((r for r in self.runs.values() if r.prefilled < len(r.req.prompt)),
+                         key=lambda r: (r.start_step, r.slot))
+        seqs = [Seq(r, [r.generated[-1]], True, False) for r in sorted(decode, key=lambda r: r.slot)]
+        # A long prompt is chunked so decoding slots keep their pace; some prefill always runs.
+        budget = max(self.cfg.step_tokens - len(seqs), 32 if prefill else 0)
+        for r in prefill:
+            if budget <= 0:
+                break
+            n = min(len(r.req.prompt) - r.prefilled, budget)
+            chunk = r.req.prompt[r.prefilled:r.prefilled + n]
+            seqs.append(Seq(r, chunk, r.prefilled + n == len(r.req.prompt), True))
+            budget -= n
+        return seqs
+
+    def _run_batch(self) -> None:
+        t0 = time.perf_counter()
+        seqs = self._schedule()
+        sampling = [i for i, s in enumerate(seqs) if s.samples]
+        rows = [seqs[i].run for i in sampling]
+        guided = [j for j, r in enumerate(rows) if r.req.matcher is not None]
+        # Fill the guided rows' masks on a CPU thread while the forward runs (xgrammar
+        # releases the GIL). Matchers are not touched by anything else until accept.
+        fill: Future | None = None
+        if guided:
+            fill = self._fill_pool.submit(self.masks.fill, [rows[j].req.matcher for j in guided],
+                                          guided)
+        batch = ForwardBatch.build([s.run.slot for s in seqs], [s.run.kv_len for s in seqs],
+                                   [s.tokens for s in seqs], self.device)
+        with torch.inference_mode():
+            logits = self.model(batch)                                  # (S, V) fp32
+        for s in seqs:
+            if s.prefill:
+                s.run.prefilled += len(s.tokens)
+        t = {"forward": time.perf_counter() - t0}
+        if rows:
+            self._sample_rows(logits, sampling, rows, guided, fill, t)
+        self._record(seqs, t, time.perf_counter() - t0)
+
+    def _sample_rows(self, logits, sampling, rows, guided, fill, t) -> None:
+        if len(rows) < logits.shape[0]:
+            logits = logits[torch.tensor(sampling, device=logits.device)]
+        logits = logits.contiguous()                                    # (R, V)
+        if self.vocab_size < logits.shape[1]:
+            logits[:, self.vocab_size:] = float("-inf")  # padded ids are no tokens
+        t_wait = time.perf_counter()
+        t["mask_fill"] = fill.result() if fill is not None else 0.0
+        t_mask = time.perf_counter()
+        t["mask_fill_exposed"] = t_mask - t_wait
+        if guided:
+            self.masks.apply(logits, guided)
+        self._suppress_early_stop(logits, rows)
+        t_sample = time.perf_counter()
+        t["mask_apply"] = t_sample - t_mask
+        tokens, dead = sample(logits, self._sampling_batch(rows))
+        tokens, dead = tokens.tolist(), dead.tolist()
+        diverged: set[int] = set()
+        every = self.cfg.divergence_check_every
+        if every and self.control.size > 1 and self.step_index % every == 0:
+            diverged = set(diverged_rows(tokens, self.control))
+            if diverged and self.metrics is not None:
+                self.metrics.tp_divergence.inc()
+        t["sample"] = time.perf_counter() - t_sample
+        for j, r in enumerate(rows):
+            self._advance(r, tokens[j], dead[j], j in diverged)
+
+    def _advance(self, r: Run, token: int, dead: bool, diverged: bool) -> None:
+        req = r.req
+        if diverged:
+            log.error("TP divergence on slot %d (request %s)", r.slot, req.request_id)
+            return self._finish(r, DIVERGENCE, "ranks sampled different tokens")
+        if dead:
+            if self.metrics is not None:
+                self.metrics.grammar_dead_ends.inc()
+            return self._finish(r, DEAD_END, "the grammar allows no token here and is not complete")
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            return self._finish(r, INTERNAL, f"the grammar rejected sampled token {token}")
+        r.generated.append(token)
+        if r.first_token_at is None:
+            r.first_token_at = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.tokens.labels(kind="generated").inc()
+        ends = token in req.stop_token_ids or token in self.eos
+        if not ends:
+            r.emitted += 1
+            req.emit("tokens", [token])
+        if req.matcher is not None and req.matcher.is_terminated():
+            return self._finish(r, GRAMMAR_COMPLETED)
+        if ends and (req.matcher is not None or token in req.stop_token_ids or not req.ignore_eos):
+            # A guided row only samples a stop id where its grammar allows one.
+            return self._finish(r, STOP)
+        if len(r.generated) >= req.max_tokens or r.kv_len + 1 >= self.cfg.max_model_len:
+            return self._finish(r, LENGTH)
+
+    def _finish(self, r: Run, reason: str, message: str = "", table_done: bool = False) -> None:
+        del self.runs[r.slot]
+        if not table_done:
+            self.table.finish(r.entry)
+        r.req.close()
+        if self.metrics is not None:
+            self.metrics.releases.labels(reason=reason).inc()
+        r.req.emit("finished", reason, message, len(r.req.prompt), r.emitted,
+                   r.started_at - r.req.admitted_at,
+                   (r.first_token_at - r.req.admitted_at) if r.first_token_at else 0.0)
+
+    def _fail_all(self, reason: str, message: str) -> None:
+        for r in list(self.runs.values()):
+            self._finish(r, reason, message, table_done=True)
+        for entry in self.table.drain():
+            entry.payload.close()
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _sampling_batch(self, rows: list[Run]) -> SamplingBatch:
+        dev = self.device
+        return SamplingBatch(
+            temperature=torch.tensor([r.req.temperature for r in rows], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([r.req.top_k for r in rows], dtype=torch.int32, device=dev),
+            top_p=torch.tensor([r.req.top_p for r in rows], dtype=torch.float32, device=dev),
+            min_p=torch.tensor([r.req.min_p for r in rows], dtype=torch.float32, device=dev),
+            seed=torch.tensor([r.req.seed for r in rows], dtype=torch.int64, device=dev),
+            step=torch.tensor([len(r.generated) for r in rows], dtype=torch.int64, device=dev),
+        )
+
+    def _suppress_early_stop(self, logits: torch.Tensor, rows: list[Run]) -> None:
+        """EOS and stop ids are not sampled before min_tokens, unless the grammar allows
+        nothing else (then suppressing them would make a dead end of a complete output)."""
+        for j, r in enumerate(rows):
+            if len(r.generated) >= r.req.min_tokens:
+                continue
+            ids = sorted(i for i in (self.eos | r.req.stop_token_ids) if i < logits.shape[1])
+            if not ids:
+                continue
+            idx = torch.tensor(ids, device=logits.device)
+            saved = logits[j, idx].clone()
+            logits[j, idx] = float("-inf")
+            if r.req.matcher is not None and not torch.isfinite(logits[j]).any():
+                logits[j, idx] = saved
+
+    def _update_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.slots_in_use.set(self.table.in_use())
+        self.metrics.guided_slots.set(sum(1 for r in self.runs.values() if r.req.matcher is not None))
+
+    def _record(self, seqs: list[Seq], t: dict[str, float], total: float) -> None:
+        t["total"] = total
+        self.last_step_timings = t
+        if self.metrics is None:
+            return
+        kinds = {s.prefill for s in seqs}
+        phase = "mixed" if len(kinds) == 2 else ("prefill" if True in kinds else "decode")
+        m = self.metrics
+        m.step_seconds.labels(phase=phase).observe(total)
+        m.batch_size.observe(len(seqs))
+        prompt_tokens = sum(len(s.tokens) for s in seqs if s.prefill)
+        if prompt_tokens:
+            m.tokens.labels(kind="prompt").inc(prompt_tokens)
+        if t.get("mask_fill"):
+            m.mask_fill_seconds.observe(t["mask_fill"])
+            m.mask_fill_exposed_seconds.observe(t["mask_fill_exposed"])
+            m.mask_apply_seconds.observe(t["mask_apply"])
