@@ -1,0 +1,76 @@
+"""A single-rank engine in the test process: the real model, slot table, kernel and sampler,
+driven step by step (no gRPC, no threads), for tests that need many requests quickly."""
+
+from __future__ import annotations
+
+import os
+import queue
+from collections import deque
+from dataclasses import dataclass
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from gpu_worker.control import ControlChannel  # noqa: E402
+from gpu_worker.engine import Engine, EngineConfig, Request  # noqa: E402
+from gpu_worker.loader import load_model  # noqa: E402
+from gpu_worker.parallel import init_distributed  # noqa: E402
+from gpu_worker.slots import SlotTable  # noqa: E402
+from grammar_service.vocab import load_vocab  # noqa: E402
+
+
+@dataclass
+class Outcome:
+    tokens: list[int]
+    reason: str
+    message: str
+    slot: int
+
+
+class EngineHarness:
+    """One TP=1 engine over `model_dir`; `run` pushes requests through its slots."""
+
+    def __init__(self, model_dir, slots: int = 4, max_model_len: int = 256, step_tokens: int = 64):
+        self.vocab = load_vocab(model_dir)
+        tp, _ = init_distributed(0, 1, "", torch.device("cpu"), 60.0)
+        model = load_model(model_dir, tp, torch.float32, torch.device("cpu"))
+        model.allocate_kv_cache(slots, max_model_len)
+        self.table = SlotTable(slots, is_rank0=True, admit_timeout_s=600)
+        self.engine = Engine(
+            EngineConfig(num_slots=slots, max_model_len=max_model_len, step_tokens=step_tokens,
+                         idle_poll_s=0.0),
+            model, self.table, ControlChannel(None, 1), vocab_size=self.vocab.vocab_size,
+            model_vocab_size=model.config.vocab_size, eos_token_ids=self.vocab.eos_token_ids,
+            device=torch.device("cpu"))
+
+    def run(self, requests: list[Request], release_after: dict[str, int] | None = None,
+            max_steps: int = 100_000) -> dict[str, Outcome]:
+        """Admit requests in order as slots free up; step until all finish.
+
+        `release_after[id] = n` releases that request once it has streamed n tokens.
+        """
+        todo = deque(requests)
+        live: dict[str, tuple[Request, object, list[int]]] = {}
+        out: dict[str, Outcome] = {}
+        release_after = release_after or {}
+        for _ in range(max_steps):
+            while todo and self.table.in_use() < self.table.num_slots:
+                req = todo.popleft()
+                req.events = queue.Queue()
+                entry = self.table.allocate(req.request_id, req)
+                live[req.request_id] = (req, entry, [])
+            if not live:
+                return out
+            self.engine.step()
+            for rid, (req, entry, toks) in list(live.items()):
+                while not req.events.empty():
+                    ev = req.events.get()
+                    if ev[0] == "tokens":
+                        toks.extend(ev[1])
+                        if rid in release_after and len(toks) >= release_after.pop(rid):
+                            self.table.request_release(entry.slot, rid)
+                    else:
+                        out[rid] = Outcome(toks, ev[1], ev[2], entry.slot)
+                        del live[rid]
+        raise AssertionError("requests did not finish")

@@ -1,0 +1,183 @@
+"""The engine of one rank, in process: batch invariance, slot reuse (I5), mixed batches (I4),
+own matchers (I1), dead ends (I6) and the finish rules. Real model, real xgrammar, the real
+Triton kernel under the interpreter."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import tokenizers
+import xgrammar as xgr
+from constraints import SCHEMAS, constraint_mix, is_valid
+from engine_harness import EngineHarness
+
+from gpu_worker.engine import DEAD_END, GRAMMAR_COMPLETED, LENGTH, STOP, Request
+from grammar_service.default_model import ensure_default_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ensure_default_model(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def harness(model_dir):
+    return EngineHarness(model_dir, slots=4)
+
+
+@pytest.fixture(scope="module")
+def compiled(harness):
+    """Compiled grammars of the constraint mix, by index (each matcher is built per request)."""
+    compiler = xgr.GrammarCompiler(harness.vocab.tokenizer_info(), max_threads=1)
+    out = {}
+    for i, (kind, arg) in enumerate(constraint_mix()):
+        if kind == "json_schema":
+            out[i] = compiler.compile_json_schema(json.dumps(arg), any_whitespace=False)
+        elif kind == "regex":
+            out[i] = compiler.compile_regex(arg)
+        elif kind == "choice":
+            out[i] = compiler.compile_grammar(
+                "root ::= " + " | ".join(json.dumps(c) for c in arg))
+    return out
+
+
+def make(harness, rid, prompt="hello", seed=1, max_tokens=24, temperature=1.0, compiled=None,
+         **kw) -> Request:
+    req = Request(request_id=rid, prompt=harness.vocab.encode(prompt), max_tokens=max_tokens,
+                  temperature=temperature, seed=seed, **kw)
+    if compiled is not None:
+        req.matcher = xgr.GrammarMatcher(compiled)
+    return req
+
+
+def text(harness, outcome) -> str:
+    return harness.vocab.decode(outcome.tokens)
+
+
+def test_seeded_request_same_alone_and_in_full_batch_in_any_slot(harness):
+    alone = harness.run([make(harness, "solo", seed=7)])["solo"]
+    for position in range(4):
+        others = [make(harness, f"o{position}-{i}", prompt=f"other {i}", seed=100 + i)
+                  for i in range(3)]
+        batch = others[:position] + [make(harness, f"t{position}", seed=7)] + others[position:]
+        got = harness.run(batch)[f"t{position}"]
+        assert got.slot == position
+        assert got.tokens == alone.tokens
+
+
+def test_greedy_is_argmax_and_reproducible(harness):
+    a = harness.run([make(harness, "g1", temperature=0.0)])["g1"]
+    b = harness.run([make(harness, "g2", temperature=0.0),
+                     make(harness, "g3", prompt="x", temperature=0.0)])["g2"]
+    assert a.tokens == b.tokens and a.reason in (LENGTH, STOP)
+
+
+def test_slot_reuse_200_requests_match_fresh_engine(harness, model_dir):
+    rng = random.Random(0)
+    specs = [(f"r{i}", f"prompt {rng.randrange(1000)}", rng.randrange(1 << 30),
+              rng.choice([0.0, 0.7, 1.0]), rng.randrange(1, 12)) for i in range(200)]
+    reused = harness.run([make(harness, rid, p, s, mt, t) for rid, p, s, t, mt in specs])
+    fresh = EngineHarness(model_dir, slots=4)
+    for rid, p, s, t, mt in specs[::25]:
+        alone = fresh.run([make(fresh, rid, p, s, mt, t)])[rid]
+        assert reused[rid].tokens == alone.tokens, rid
+
+
+def test_unguided_output_unchanged_by_guided_neighbours(harness, compiled):
+    mix = constraint_mix()
+    alone = harness.run([make(harness, "u", prompt="free text", seed=3, max_tokens=32)])["u"]
+    reqs = [make(harness, "u", prompt="free text", seed=3, max_tokens=32)]
+    reqs += [make(harness, f"g{i}", prompt="data", seed=10 + i, max_tokens=48,
+                  compiled=compiled[i]) for i in compiled]
+    out = harness.run(reqs)
+    assert out["u"].tokens == alone.tokens
+    for i in compiled:
+        kind, arg = mix[i]
+        o = out[f"g{i}"]
+        assert o.reason == GRAMMAR_COMPLETED, (kind, o)
+        assert is_valid(kind, arg, text(harness, o)), (kind, text(harness, o))
+
+
+def test_slot_reuse_cycling_constraints_every_output_valid(harness, compiled, model_dir):
+    mix = constraint_mix()
+    rng = random.Random(42)
+    reqs, kinds = [], {}
+    for n in range(60):
+        i = rng.randrange(len(mix))
+        rid = f"c{n}"
+        kinds[rid] = i
+        reqs.append(make(harness, rid, prompt=f"item {n}", seed=n, max_tokens=48,
+                         compiled=compiled.get(i)))
+    out = harness.run(reqs)
+    for rid, i in kinds.items():
+        kind, arg = mix[i]
+        if kind != "none":
+            assert out[rid].reason == GRAMMAR_COMPLETED, (rid, kind, out[rid])
+            assert is_valid(kind, arg, text(harness, out[rid])), (rid, text(harness, out[rid]))
+
+
+def test_release_mid_generation_then_reuse_slot_with_other_schema(harness, compiled):
+    first = harness.run([make(harness, "long", max_tokens=40, compiled=compiled[0])],
+                        release_after={"long": 3})["long"]
+    assert first.reason == "cancelled" and len(first.tokens) >= 3
+    second = harness.run([make(harness, "next", compiled=compiled[1], max_tokens=48)])["next"]
+    assert second.slot == first.slot
+    assert second.reason == GRAMMAR_COMPLETED
+    assert is_valid("json_schema", SCHEMAS[1], text(harness, second))
+
+
+def test_max_tokens_min_tokens_and_stop_ids(harness):
+    out = harness.run([make(harness, "len", max_tokens=5, ignore_eos=True)])["len"]
+    assert out.reason == LENGTH and len(out.tokens) == 5
+    first = harness.run([make(harness, "probe", temperature=0.0, max_tokens=3)])["probe"]
+    stop_id = first.tokens[1]
+    out = harness.run([make(harness, "stop", temperature=0.0, max_tokens=10,
+                            stop_token_ids=frozenset({stop_id}))])["stop"]
+    assert out.reason == STOP and out.tokens == first.tokens[:1]  # the stop id is not emitted
+    out = harness.run([make(harness, "min", temperature=0.0, max_tokens=10, min_tokens=4,
+                            stop_token_ids=frozenset({stop_id}))])["min"]
+    assert len(out.tokens) >= 4 and stop_id not in out.tokens[:4]
+
+
+def _tokenizer_without(tmp_path, missing: str):
+    """A byte-level BPE whose vocabulary has no token containing `missing`."""
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = [c for c in tokenizers.pre_tokenizers.ByteLevel.alphabet() if c != missing]
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet,
+                                             special_tokens=["<eos>"], limit_alphabet=len(alphabet))
+    corpus = ["hello world, abc abc the quick brown fox"] * 50
+    tok.train_from_iterator([c.replace(missing, "") for c in corpus], trainer)
+    assert all(missing not in t for t in tok.get_vocab())
+    return tok
+
+
+def test_dead_end_fails_one_request_and_spares_the_others(tmp_path, model_dir):
+    """A grammar that needs 'z' right after 'a' with a vocabulary that cannot spell 'z': the
+    matcher allows 'a' (a valid prefix), then nothing. That request ends with a dead-end
+    error; the unguided request beside it is unaffected and no NaN appears."""
+    import shutil
+
+    d = tmp_path / "no-z"
+    shutil.copytree(model_dir, d)
+    tok = _tokenizer_without(tmp_path, "z")
+    tok.save(str(d / "tokenizer.json"))
+    cfg = json.loads((d / "config.json").read_text())
+    eos = tok.token_to_id("<eos>")
+    cfg.update(eos_token_id=eos, bos_token_id=eos, pad_token_id=eos)
+    (d / "config.json").write_text(json.dumps(cfg))
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc.update(eos_token="<eos>", bos_token="<eos>", pad_token="<eos>", add_bos_token=False)
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    h = EngineHarness(d, slots=2)
+    grammar = xgr.GrammarCompiler(h.vocab.tokenizer_info()).compile_grammar('root ::= "az"')
+    solo = h.run([make(h, "free", seed=5, max_tokens=12)])["free"]
+    out = h.run([make(h, "dead", compiled=grammar), make(h, "free", seed=5, max_tokens=12)])
+    assert out["dead"].reason == DEAD_END and "allows no token" in out["dead"].message
+    assert h.vocab.decode(out["dead"].tokens) == "a"
+    assert out["free"].tokens == solo.tokens
+    assert h.table.in_use() == 0
