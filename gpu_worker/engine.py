@@ -181,7 +181,8 @@ class Engine:
         self.step_index += 1
         self._update_gauges()
         if self.runs:
-            self._run_batch()
+            with torch.inference_mode():
+                self._run_batch()
 
     def _schedule(self) -> list[Seq]:
         """The sequences of this step; the same result on every rank."""
@@ -214,8 +215,7 @@ class Engine:
                                           guided)
         batch = ForwardBatch.build([s.run.slot for s in seqs], [s.run.kv_len for s in seqs],
                                    [s.tokens for s in seqs], self.device)
-        with torch.inference_mode():
-            logits = self.model(batch)                                  # (S, V) fp32
+        logits = self.model(batch)                                      # (S, V) fp32
         for s in seqs:
             if s.prefill:
                 s.run.prefilled += len(s.tokens)
@@ -299,15 +299,11 @@ class Engine:
     # ---- helpers ---------------------------------------------------------------------------
 
     def _sampling_batch(self, rows: list[Run]) -> SamplingBatch:
-        dev = self.device
-        return SamplingBatch(
-            temperature=torch.tensor([r.req.temperature for r in rows], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([r.req.top_k for r in rows], dtype=torch.int32, device=dev),
-            top_p=torch.tensor([r.req.top_p for r in rows], dtype=torch.float32, device=dev),
-            min_p=torch.tensor([r.req.min_p for r in rows], dtype=torch.float32, device=dev),
-            seed=torch.tensor([r.req.seed for r in rows], dtype=torch.int64, device=dev),
-            step=torch.tensor([len(r.generated) for r in rows], dtype=torch.int64, device=dev),
-        )
+        reqs = [r.req for r in rows]
+        return SamplingBatch.from_lists(
+            [q.temperature for q in reqs], [q.top_k for q in reqs], [q.top_p for q in reqs],
+            [q.min_p for q in reqs], [q.seed for q in reqs], [len(r.generated) for r in rows],
+            device=self.device)
 
     def _suppress_early_stop(self, logits: torch.Tensor, rows: list[Run]) -> None:
         """EOS and stop ids are not sampled before min_tokens, unless the grammar allows

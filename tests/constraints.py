@@ -10,7 +10,7 @@ import jsonschema
 
 SCHEMAS = [
     {"type": "object",
-     "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6},
+     "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
                     "age": {"type": "integer", "minimum": 0, "maximum": 120}},
      "required": ["name", "age"], "additionalProperties": False},
     {"type": "object",

@@ -120,8 +120,8 @@ def test_slot_reuse_cycling_constraints_every_output_valid(harness, compiled, mo
 
 def test_release_mid_generation_then_reuse_slot_with_other_schema(harness, compiled):
     first = harness.run([make(harness, "long", max_tokens=40, compiled=compiled[0])],
-                        release_after={"long": 3})["long"]
-    assert first.reason == "cancelled" and len(first.tokens) >= 3
+                        release_after={"long": 1})["long"]
+    assert first.reason == "cancelled" and len(first.tokens) >= 1
     second = harness.run([make(harness, "next", compiled=compiled[1], max_tokens=48)])["next"]
     assert second.slot == first.slot
     assert second.reason == GRAMMAR_COMPLETED

@@ -1,0 +1,216 @@
+"""Decode step time of gramserve's model runtime, side by side with transformers' `generate`.
+
+A random-weight checkpoint shaped like Qwen2.5-0.5B is written with transformers, so both
+runtimes load the same weights. For each batch size: every slot is prefilled with a
+`--context`-token prompt, then decode steps are timed eagerly and as CUDA-graph replays (one
+graph per batch size, static input buffers), and transformers' greedy `generate` is timed on
+the same prompts. Decode-only time for `generate` is (t(1 + T tokens) - t(1 token)) / T.
+
+    PYTHONPATH=$PWD python bench/step.py                      # H200: the full table
+    PYTHONPATH=$PWD python bench/step.py --device cpu --tiny  # quick CPU check of the script
+
+Building blocks for other benchmarks: `write_checkpoint`, `build_model`, `prefill`,
+`time_decode_step` (its `after_forward` hook runs per step on the logits, e.g. mask + sample),
+`time_hf_generate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from gpu_worker.loader import load_model
+from gpu_worker.model import ForwardBatch, Transformer
+from gpu_worker.parallel import TPGroup
+
+QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                  max_position_embeddings=32768, tie_word_embeddings=True)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=1000, max_position_embeddings=2048,
+            tie_word_embeddings=True)
+
+
+def write_checkpoint(model_dir: Path, shape: dict, dtype: torch.dtype, device: torch.device):
+    """Write a random-weight Qwen2 checkpoint of `shape` to `model_dir`; returns the
+    transformers model (on `device`, eval mode) holding the same weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**shape)
+    with torch.device(device):
+        hf = Qwen2ForCausalLM(config).to(dtype).eval()
+    hf.save_pretrained(model_dir, safe_serialization=True)
+    return hf
+
+
+def build_model(model_dir: Path, device: torch.device, dtype: torch.dtype, num_slots: int,
+                max_len: int) -> Transformer:
+    """Load gramserve's Transformer at TP=1 with a KV cache of `num_slots` x `max_len`."""
+    model = load_model(model_dir, TPGroup(0, 1, None, device), dtype, device)
+    model.allocate_kv_cache(num_slots, max_len)
+    return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill(model: Transformer, prompts: Tensor) -> float:
+    """Prefill slot i with prompts[i] (batch, context) in one step; returns seconds."""
+    device = model.tp.device
+    batch = ForwardBatch.build(list(range(prompts.shape[0])), [0] * prompts.shape[0],
+                               prompts.tolist(), device)
+    _sync(device)
+    t0 = time.perf_counter()
+    model(batch)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def time_decode_step(model: Transformer, batch: int, *, context: int, steps: int = 30,
+                     warmup: int = 5, graph: bool = False,
+                     after_forward: Callable[[Tensor], None] | None = None) -> dict:
+    """Median time of one decode step over slots 0..batch-1, each holding `context` tokens.
+
+    Eager steps build their ForwardBatch each step, as the engine does; graph mode captures
+    one step with static buffers (decode window fixed to the cache length) and replays it,
+    copying the step's ids and positions in first. `after_forward(logits)` runs after each
+    forward (inside the timed region). Each step ends with a device sync (the engine samples
+    every step). Returns {"ms": median ms per step, "tokens_per_s": batch / median}.
+    """
+    device = model.tp.device
+    slots = list(range(batch))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1000, (warmup + steps, batch), generator=gen)
+    if graph:
+        run = _graph_runner(model, batch, context)
+    else:
+        def run(i: int, tokens: Tensor) -> Tensor:
+            step = ForwardBatch.build(slots, [context + i] * batch,
+                                      [[t] for t in tokens.tolist()], device)
+            return model(step)
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = run(i, ids[i])
+        if after_forward is not None:
+            after_forward(logits)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    return {"ms": median * 1e3, "tokens_per_s": batch / median}
+
+
+def _graph_runner(model: Transformer, batch: int, context: int) -> Callable[[int, Tensor], Tensor]:
+    device = model.tp.device
+    max_len = model.k_cache.shape[2]
+    static = ForwardBatch.build(list(range(batch)), [context] * batch, [[0]] * batch, device,
+                                decode_window=max_len)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm up off the capture stream, as CUDA graphs require
+        for _ in range(3):
+            model(static)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        out = model(static)
+
+    def run(i: int, tokens: Tensor) -> Tensor:
+        pos = torch.full((batch,), context + i, dtype=torch.int64)
+        static.input_ids.copy_(tokens, non_blocking=True)
+        static.positions.copy_(pos, non_blocking=True)
+        static.decode_context.copy_(pos + 1, non_blocking=True)
+        cuda_graph.replay()
+        return out
+
+    return run
+
+
+def time_hf_generate(hf, prompts: Tensor, new_tokens: int) -> dict:
+    """Decode-only step time of transformers' greedy generate on `prompts` (batch, context)."""
+    device = next(hf.parameters()).device
+    prompts = prompts.to(device)
+
+    def generate(n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                    min_new_tokens=n, do_sample=False, pad_token_id=0)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    generate(2)  # warm-up
+    first = min(generate(1) for _ in range(2))
+    full = generate(1 + new_tokens)
+    step = max(full - first, 1e-9) / new_tokens
+    return {"ms": step * 1e3, "tokens_per_s": prompts.shape[0] / step}
+
+
+def launch_overhead_us(device: torch.device, n: int = 2000) -> float:
+    """Host time per tiny kernel launch: eager decode is launch-bound, so this explains it."""
+    x = torch.zeros(1, device=device)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1)
+    _sync(device)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--hf-tokens", type=int, default=32)
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU check")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches = [int(b) for b in args.batches.split(",")]
+    shape = TINY if args.tiny else QWEN25_05B
+    max_len = args.context + 8 + args.steps  # room for warm-up and timed steps
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = write_checkpoint(Path(tmp), shape, dtype, device)
+        model = build_model(Path(tmp), device, dtype, max(batches), max_len)
+    print(f"# device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "
+          f"torch={torch.__version__} dtype={dtype} shape={'tiny' if args.tiny else 'qwen2.5-0.5b'} "
+          f"context={args.context} steps={args.steps} "
+          f"launch_overhead={launch_overhead_us(device):.1f}us/kernel")
+    print("| batch | prefill s | eager ms | graph ms | graph tok/s | HF generate ms | "
+          "HF tok/s | eager/HF | graph/HF |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for batch in batches:
+        prompts = torch.randint(0, 1000, (batch, args.context), generator=gen)
+        pre = prefill(model, prompts)
+        eager = time_decode_step(model, batch, context=args.context, steps=args.steps)
+        graph = {"ms": float("nan"), "tokens_per_s": float("nan")}
+        if device.type == "cuda":
+            try:
+                graph = time_decode_step(model, batch, context=args.context, steps=args.steps,
+                                         graph=True)
+            except RuntimeError as exc:  # report and keep the eager and HF figures
+                print(f"# batch {batch}: CUDA graph failed: {exc}", flush=True)
+        ref = time_hf_generate(hf, prompts, args.hf_tokens)
+        print(f"| {batch} | {pre:.3f} | {eager['ms']:.2f} | {graph['ms']:.2f} | "
+              f"{graph['tokens_per_s']:.0f} | {ref['ms']:.2f} | {ref['tokens_per_s']:.0f} | "
+              f"{eager['tokens_per_s'] / ref['tokens_per_s']:.2f} | "
+              f"{graph['tokens_per_s'] / ref['tokens_per_s']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Process management for the system tests: the real services as child processes on loopback.
+
+`RealSystem` starts a grammar service, one TP group of real worker ranks (one process per
+rank, so a test can kill one) and one or more gateways; `gramserve_system` is one such
+system shared by the system-test modules of a session (start-up is slow on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from protos.rpc import check_health
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Child:
+    """A child process in its own process group, its output in a log file."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen([sys.executable, "-m", *args], stdout=self._log,
+                                      stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                      start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.alive():
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.kill(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.popen.wait()
+        self._log.close()
+
+    def tail(self, n: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of the samples named `name` on a /metrics page."""
+    body = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+               if line.startswith(name) and line[len(name)] in " {")
+
+
+class RealSystem:
+    """Grammar service + one group of `tp` worker ranks + gateways, all real processes."""
+
+    def __init__(self, log_dir: Path, tp: int = 2, slots: int = 8):
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        self.grammar = f"127.0.0.1:{free_port()}"
+        self._spawn("grammar", ["grammar_service", "--host", "127.0.0.1",
+                                "--port", self.grammar.rsplit(":", 1)[1],
+                                "--metrics-port", "-1", "--compile-workers", "1"])
+        dist = free_port()
+        self.ranks, self.rank_metrics, self.rank_procs = [], [], []
+        for r in range(tp):
+            port, mport = free_port(), free_port()
+            self.ranks.append(f"127.0.0.1:{port}")
+            self.rank_metrics.append(f"http://127.0.0.1:{mport}/metrics")
+            self.rank_procs.append(self._spawn(f"rank{r}", [
+                "gpu_worker", "--rank", str(r), "--tp", str(tp),
+                "--dist-addr", f"127.0.0.1:{dist}", "--host", "127.0.0.1", "--port", str(port),
+                "--metrics-port", str(mport), "--grammar-service", self.grammar,
+                "--device", "cpu", "--slots", str(slots), "--max-model-len", str(MAX_MODEL_LEN),
+                "--torch-threads", "1"]))
+        self.gateways: list[str] = []
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        child = Child(name, args, self.log_dir)
+        self.children.append(child)
+        return child
+
+    def add_gateway(self, *extra: str) -> str:
+        """Start a gateway on the group (not waited for); return its address."""
+        addr = f"127.0.0.1:{free_port()}"
+        mport = free_port()
+        self._spawn(f"gateway{len(self.gateways)}", [
+            "gateway", "--host", "127.0.0.1", "--port", addr.rsplit(":", 1)[1],
+            "--grammar-service", self.grammar, "--group", ",".join(self.ranks),
+            "--metrics-port", str(mport), "--health-interval", "0.5", *extra])
+        self.gateways.append(addr)
+        return addr
+
+    def wait_serving(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        pending = [self.grammar, *self.ranks, *self.gateways]
+        while pending:
+            dead = [c for c in self.children if not c.alive()]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited early:\n{dead[0].tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not serving: {pending}\n"
+                                   + "\n".join(c.tail(800) for c in self.children))
+            pending = [a for a in pending if not check_health(a, timeout=1.0)]
+            if pending:
+                time.sleep(0.3)
+
+    def slots_in_use(self) -> list[float]:
+        return [metric(url, "gramserve_worker_slots_in_use") for url in self.rank_metrics]
+
+    def wait_slots_free(self, timeout: float = 15.0) -> list[float]:
+        """Poll both ranks until no slot is in use; return the last reading."""
+        deadline = time.monotonic() + timeout
+        while True:
+            used = self.slots_in_use()
+            if not any(used) or time.monotonic() > deadline:
+                return used
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+
+
+@pytest.fixture(scope="session")
+def gramserve_system(tmp_path_factory):
+    """One real system for the session: grammar service, 2 ranks, two gateways on the
+    group (the second with --max-queue 0)."""
+    system = RealSystem(tmp_path_factory.mktemp("system"))
+    try:
+        system.add_gateway()
+        system.add_gateway("--max-queue", "0")
+        system.wait_serving()
+        yield system
+    finally:
+        system.stop()

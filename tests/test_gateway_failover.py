@@ -1,0 +1,203 @@
+"""Gateway failure paths against scripted Worker servers on loopback.
+
+The real worker cannot be made to fail at an exact point of a stream (after the third token,
+before the first), to answer RESOURCE_EXHAUSTED on cue, or to flip its health status, so
+these tests use small scripted Worker servicers (real gRPC servers, real gateway, real
+tokenizer). The real-process versions of these paths live in tests/test_system_*.py.
+"""
+
+import threading
+import time
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.config import GatewayConfig
+from gateway.server import create_server as create_gateway
+from grammar_service.default_model import resolve_model
+from grammar_service.vocab import load_vocab
+from protos import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.rpc import channel, check_health, create_server, set_serving
+
+WORKER = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return load_vocab(resolve_model(None))
+
+
+class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
+    """One rank. Rank 0 streams `script`: token lists, then "finish" or a status code."""
+
+    def __init__(self, vocab, rank, script=(), refuse_first=None, num_slots=4):
+        self.vocab, self.rank, self.script = vocab, rank, list(script)
+        self.num_slots = num_slots
+        self.refuse_first = refuse_first  # a status code for the first Admit only
+        self.admits, self.releases = [], []
+        self.released = threading.Event()
+
+    def Admit(self, request, context):
+        self.admits.append(request.request_id)
+        if self.refuse_first is not None:
+            code, self.refuse_first = self.refuse_first, None
+            context.abort(code, "scripted refusal")
+        yield worker_pb2.AdmitEvent(admitted=worker_pb2.Admitted(slot=3, rank=self.rank))
+        if self.rank != 0:
+            return
+        for step in self.script:
+            if isinstance(step, grpc.StatusCode):
+                context.abort(step, "scripted failure")
+            if step == "finish":
+                yield worker_pb2.AdmitEvent(finished=worker_pb2.Finished(
+                    reason=common_pb2.FINISH_REASON_STOP))
+                return
+            if step == "wait":
+                self.released.wait(10)
+                return
+            time.sleep(0.01)
+            yield worker_pb2.AdmitEvent(tokens=worker_pb2.Tokens(token_ids=step))
+
+    def Release(self, request, context):
+        self.releases.append((request.slot, request.request_id))
+        self.released.set()
+        return worker_pb2.ReleaseResponse(was_running=True)
+
+    def Info(self, request, context):
+        return worker_pb2.WorkerInfo(
+            rank=self.rank, tp_size=2, num_slots=self.num_slots, max_model_len=64, serving=True,
+            vocab_fingerprint=self.vocab.fingerprint, vocab_size=self.vocab.vocab_size)
+
+
+class Group:
+    def __init__(self, vocab, script=(), refuse_first=None, num_slots=4):
+        self.ranks = [ScriptedWorker(vocab, 0, script, refuse_first, num_slots),
+                      ScriptedWorker(vocab, 1, num_slots=num_slots)]
+        self.servers = [create_server([(worker_pb2_grpc.add_WorkerServicer_to_server, r, WORKER)])
+                        for r in self.ranks]
+        self.addresses = [f"127.0.0.1:{port}" for _, port, _ in self.servers]
+
+    def stop(self):
+        for server, _, _ in self.servers:
+            server.stop(0)
+
+
+@pytest.fixture
+def system(vocab):
+    made = []
+
+    def make(*groups, max_queue=4):
+        cfg = GatewayConfig(grammar_service="127.0.0.1:1", port=0, max_queue=max_queue,
+                            groups=tuple(tuple(g.addresses) for g in groups),
+                            health_interval=0.2)
+        gw = create_gateway(cfg, CollectorRegistry())
+        ch = channel(f"127.0.0.1:{gw.port}")
+        made.append((gw, ch, groups))
+        return gw, gateway_pb2_grpc.GatewayStub(ch)
+
+    yield make
+    for gw, ch, groups in made:
+        ch.close()
+        gw.stop(0)
+        for g in groups:
+            g.stop()
+
+
+def _ids(vocab, text):
+    return vocab.encode(text, add_special_tokens=False)
+
+
+def _collect(stub, **kw):
+    req = gateway_pb2.GenerateRequest(prompt="hi", request_id="r1", **kw)
+    return list(stub.Generate(req, timeout=10))
+
+
+def test_group_failing_after_tokens_is_unavailable_and_released_on_every_rank(system, vocab):
+    group = Group(vocab, [_ids(vocab, "abc"), _ids(vocab, "def"), grpc.StatusCode.UNAVAILABLE])
+    _, stub = system(group)
+    with pytest.raises(grpc.RpcError) as info:
+        _collect(stub)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "not retried" in info.value.details()
+    assert all(r.releases == [(3, "r1")] for r in group.ranks)
+    assert group.ranks[0].admits == ["r1"]  # streamed tokens: never sent elsewhere
+
+
+def test_request_refused_before_its_first_token_goes_to_another_group(system, vocab):
+    broken = Group(vocab, refuse_first=grpc.StatusCode.UNAVAILABLE)
+    good = Group(vocab, [_ids(vocab, "ok"), "finish"])
+    _, stub = system(broken, good)
+    # Both groups are idle; ties go to group 0, the broken one.
+    final = _collect(stub)[-1].final
+    assert final.text == "ok" and final.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert broken.ranks[0].admits == ["r1"] and good.ranks[0].admits == ["r1"]
+
+
+def test_worker_full_is_retried_not_returned(system, vocab):
+    group = Group(vocab, [_ids(vocab, "fine"), "finish"],
+                  refuse_first=grpc.StatusCode.RESOURCE_EXHAUSTED)
+    _, stub = system(group)
+    assert _collect(stub)[-1].final.text == "fine"
+    assert group.ranks[0].admits == ["r1", "r1"]
+
+
+def test_stop_string_ends_the_request_and_releases_every_rank(system, vocab):
+    pieces = ["hello ", "ST", "OP", " never"]
+    group = Group(vocab, [_ids(vocab, p) for p in pieces] + ["wait"])
+    _, stub = system(group)
+    out = _collect(stub, sampling=common_pb2.SamplingParams(stop=["STOP"]))
+    final = out[-1].final
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
+    assert final.text == "hello " == "".join(r.delta.text for r in out[:-1])
+    assert all(r.releases == [(3, "r1")] for r in group.ranks)
+
+
+def test_client_cancel_releases_every_rank(system, vocab):
+    group = Group(vocab, [_ids(vocab, "a"), "wait"])
+    _, stub = system(group)
+    call = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="c1"), timeout=10)
+    next(call)  # the first delta: the request runs
+    call.cancel()
+    assert group.ranks[1].released.wait(5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not all(r.releases for r in group.ranks):
+        time.sleep(0.02)
+    assert all(r.releases == [(3, "c1")] for r in group.ranks)
+
+
+def test_group_failing_health_checks_is_taken_out_and_put_back(system, vocab):
+    group = Group(vocab, [_ids(vocab, "x"), "finish"])
+    gw, stub = system(group)
+    address = f"127.0.0.1:{gw.port}"
+    _, _, follower_health = group.servers[1]
+    set_serving(follower_health, [WORKER], False)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and check_health(address):
+        time.sleep(0.05)
+    assert not check_health(address)
+    with pytest.raises(grpc.RpcError) as info:
+        _collect(stub)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "rank 1 is not serving" in info.value.details()
+    set_serving(follower_health, [WORKER], True)
+    while time.monotonic() < deadline + 5 and not check_health(address):
+        time.sleep(0.05)
+    assert _collect(stub)[-1].final.text == "x"
+
+
+def test_full_queue_is_resource_exhausted(system, vocab):
+    group = Group(vocab, [_ids(vocab, "a"), "wait"], num_slots=1)
+    gw, stub = system(group, max_queue=1)
+    running = stub.Generate(gateway_pb2.GenerateRequest(prompt="a", request_id="a"), timeout=10)
+    queued = stub.Generate(gateway_pb2.GenerateRequest(prompt="b", request_id="b"), timeout=10)
+    next(running)
+    deadline = time.monotonic() + 5
+    while gw.servicer._router.queue_depth < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(grpc.RpcError) as info:
+        _collect(stub)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max-queue" in info.value.details()
+    running.cancel()
+    queued.cancel()

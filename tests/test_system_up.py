@@ -1,0 +1,84 @@
+"""`gramserve up` starts the whole system, serves a request, and stops without orphans."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT
+
+from protos.rpc import check_health
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_up_starts_serves_and_stops_cleanly_without_orphans(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+           "GRAMSERVE_TORCH_THREADS": "1", "GRAMSERVE_COMPILE_WORKERS": "1"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "up", "--port", "0", "--slots", "2",
+         "--max-model-len", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("gramserve is up"):
+                break
+        assert lines and lines[-1].startswith("gramserve is up"), "".join(lines)
+        addr = lines[-1].split()[-1]
+        metrics_lines = []
+        for line in up.stdout:
+            if "Ctrl-C" in line:
+                break
+            metrics_lines.append(line)
+        assert sum("/metrics" in m for m in metrics_lines) == 4  # grammar, gateway, 2 ranks
+        assert check_health(addr)
+        out = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "generate", "--addr", addr, "--choice", "yes",
+             "--choice", "no", "--json", "Answer:"], capture_output=True, text=True, env=env,
+            cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["text"] in ("yes", "no")
+        family = _descendants(up.pid)
+        assert len(family) >= 5  # grammar service, group launcher, 2 ranks, gateway
+        up.send_signal(signal.SIGTERM)
+        rest = up.communicate(timeout=60)[0]
+        assert up.returncode == 0, rest
+        assert "gramserve stopped" in rest
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(map(_alive, family)):
+            time.sleep(0.1)
+        assert not [p for p in family if _alive(p)]
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
