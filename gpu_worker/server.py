@@ -161,7 +161,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 continue
             done.set()
             if event[0] == "dropped":
-                raise Unavailable(f"request was not started: {event[1]}")
+                if event[1] == "released":
+                    yield finished_event(("finished", eng.CANCELLED, "released before it started",
+                                          len(req.prompt), 0, 0.0, 0.0))
+                    return
+                raise Unavailable(f"request was not started on every rank: {event[1]}")
             if event[1] == eng.UNAVAILABLE:
                 raise Unavailable(event[2])
             yield finished_event(event)

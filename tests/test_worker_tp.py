@@ -26,7 +26,8 @@ def system(tmp_path_factory):
     try:
         gs, gaddr = start_grammar_service(model_dir, root)
         procs.append(gs)
-        g2, addrs2, metrics2 = start_group(model_dir, gaddr, root, tp=2, slots=4)
+        g2, addrs2, metrics2 = start_group(model_dir, gaddr, root, tp=2, slots=4,
+                                           extra=["--step-tokens", "32"])
         procs.append(g2)
         g1, addrs1, metrics1 = start_group(model_dir, gaddr, root, tp=1, slots=4)
         procs.append(g1)
@@ -159,10 +160,19 @@ def test_lifecycle_errors_leak_nothing(system):
         c.stubs[0].Release(worker_pb2.ReleaseRequest(slot=slot, request_id="busy"), timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     # Release while the prompt is still being prefilled (a long prompt, released at once).
-    req, stream, slot = _admit_rank0(c, "prefill", v.encode("word " * 100), max_tokens=5)
+    req, stream, slot = _admit_rank0(c, "prefill", v.encode("word " * 60), max_tokens=5)
+    assert len(req.prompt_token_ids) > 3 * 32  # several steps of prefill at --step-tokens 32
     list(c.stubs[1].Admit(GroupClient._with_slot(req, slot), timeout=10))
-    c.stubs[0].Release(worker_pb2.ReleaseRequest(slot=slot, request_id="prefill"), timeout=10)
-    assert [e for e in stream if e.HasField("finished")]
+    deadline = time.monotonic() + 10
+    while c.stubs[0].Info(worker_pb2.InfoRequest()).slots[slot].state != \
+            worker_pb2.SLOT_STATE_PREFILL:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    assert c.stubs[0].Release(worker_pb2.ReleaseRequest(slot=slot, request_id="prefill"),
+                              timeout=10).was_running
+    events = list(stream)
+    assert events[-1].finished.reason == common_pb2.FINISH_REASON_CANCELLED
+    assert not any(e.HasField("tokens") for e in events)
     # An allocation whose Admit never reaches rank 1 expires (admit timeout 10 s by default):
     # cancelling the rank-0 stream frees it at once instead.
     req, stream, slot = _admit_rank0(c, "orphan", v.encode("hi"))

@@ -138,9 +138,9 @@ def compile_spec(grammar_addr: str, kind: str, arg) -> tuple[str, common_pb2.Gra
     if kind == "json_schema":
         spec = common_pb2.GrammarSpec(json_schema=json.dumps(arg), options=opts)
     elif kind == "regex":
-        spec = common_pb2.GrammarSpec(regex=arg, options=opts)
+        spec = common_pb2.GrammarSpec(regex=arg)
     elif kind == "choice":
-        spec = common_pb2.GrammarSpec(choice=common_pb2.ChoiceList(choices=arg), options=opts)
+        spec = common_pb2.GrammarSpec(choice=common_pb2.ChoiceList(choices=arg))
     else:
         raise ValueError(kind)
     with channel(grammar_addr) as ch:
@@ -166,8 +166,16 @@ class GroupClient:
         req = worker_pb2.AdmitRequest(request_id=request_id, slot=-1, prompt_token_ids=prompt,
                                       sampling=common_pb2.SamplingParams(**sampling),
                                       grammar_key=key, grammar=spec)
-        stream = self.stubs[0].Admit(req, timeout=timeout)
-        slot = next(stream).admitted.slot
+        deadline = time.monotonic() + timeout
+        while True:  # all slots busy: wait like the gateway's queue does
+            stream = self.stubs[0].Admit(req, timeout=timeout)
+            try:
+                slot = next(stream).admitted.slot
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
         try:
             others = [self.pool.submit(lambda s: list(s.Admit(self._with_slot(req, slot),
                                                                timeout=timeout)), stub)
