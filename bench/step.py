@@ -9,6 +9,12 @@ the same prompts. Decode-only time for `generate` is (t(1 + T tokens) - t(1 toke
     PYTHONPATH=$PWD python bench/step.py                      # H200: the full table
     PYTHONPATH=$PWD python bench/step.py --device cpu --tiny  # quick CPU check of the script
 
+With `--tokenizer tokenizer.json` (a byte-level BPE as large as the model's vocabulary, e.g.
+150k tokens) it also times the engine's real step — control all-reduce, forward, mask fill on
+a CPU thread, Triton mask apply, sampling, matcher accept — with every row guided by a JSON
+schema against no row guided, side by side, and splits the guided step into forward / mask
+fill (and the part of it not hidden behind the forward) / mask apply / sampling.
+
 Building blocks for other benchmarks: `write_checkpoint`, `build_model`, `prefill`,
 `time_decode_step` (its `after_forward` hook runs per step on the logits, e.g. mask + sample),
 `time_hf_generate`.
@@ -169,6 +175,118 @@ def launch_overhead_us(device: torch.device, n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+GUIDED_SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                   "tags": {"type": "array", "items": {"type": "string"}},
+                   "notes": {"type": "string"}},
+    "required": ["id", "name", "tags", "notes"],
+}
+
+
+def add_tokenizer(model_dir: Path, tokenizer_json: Path) -> None:
+    """Make `model_dir` a servable checkpoint: its tokenizer files, EOS set to <|endoftext|>."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    shutil.copyfile(tokenizer_json, model_dir / "tokenizer.json")
+    eos = Tokenizer.from_file(str(tokenizer_json)).token_to_id("<|endoftext|>")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "add_bos_token": False}))
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(eos_token_id=eos, bos_token_id=None)
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided: bool,
+                      context: int, steps: int, warmup: int = 5,
+                      graphs: bool = True) -> dict[str, float]:
+    """Median per-phase seconds of the engine's decode step with `batch` running slots.
+
+    Every request gets a `context`-token prompt and never ends (ignore_eos, guided by a schema
+    whose strings never close under random weights), so every timed step decodes `batch` rows.
+    """
+    import json
+    import queue
+
+    import xgrammar as xgr
+
+    from gpu_worker.control import ControlChannel
+    from gpu_worker.engine import Engine, EngineConfig, Request
+    from gpu_worker.slots import SlotTable
+    from grammar_service.vocab import load_vocab
+
+    vocab = load_vocab(model_dir)
+    device = model.tp.device
+    slots = model.k_cache.shape[1] - 1  # the last one is the CUDA graphs' scratch slot
+    table = SlotTable(slots, is_rank0=True, admit_timeout_s=600)
+    engine = Engine(EngineConfig(num_slots=slots, max_model_len=model.k_cache.shape[2],
+                                 step_tokens=batch * context + slots, idle_poll_s=0.0,
+                                 cuda_graph_max_batch=slots if graphs else 0),
+                    model, table, ControlChannel(None, 1), vocab_size=vocab.vocab_size,
+                    model_vocab_size=model.config.vocab_size, eos_token_ids=vocab.eos_token_ids,
+                    device=device)
+    compiled = None
+    if guided:
+        compiled = xgr.GrammarCompiler(vocab.tokenizer_info()).compile_json_schema(
+            json.dumps(GUIDED_SCHEMA), any_whitespace=False)
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(0, vocab.vocab_size, (context,), generator=gen).tolist()
+        req = Request(request_id=f"b{i}", prompt=prompt, max_tokens=10**6, temperature=1.0,
+                      seed=i, ignore_eos=True, events=queue.Queue())
+        if compiled is not None:
+            req.matcher = xgr.GrammarMatcher(compiled)
+        table.allocate(req.request_id, req)
+    rows = []
+    while len(rows) < warmup + steps:
+        engine.step()
+        if engine.runs and all(r.generated for r in engine.runs.values()):
+            rows.append(dict(engine.last_step_timings))
+    assert len(engine.runs) == batch, "a request ended during the benchmark"
+    for r in list(engine.runs.values()):
+        engine._finish(r, "cancelled")
+    keys = ("total", "forward", "mask_fill", "mask_fill_exposed", "mask_apply", "sample")
+    return {k: statistics.median(row.get(k, 0.0) for row in rows[warmup:]) for k in keys}
+
+
+def check_graph_matches_eager(model: Transformer, batch: int, context: int) -> float:
+    """Max |logit difference| between a graph replay and the eager forward of the same
+    decode step (slots in shuffled order, so the graph's gather path is exercised)."""
+    from gpu_worker.cuda_graphs import DecodeGraphs
+
+    device = model.tp.device
+    slots = list(range(batch))[::-1]
+    prompts = torch.randint(0, 1000, (batch, context), generator=torch.Generator().manual_seed(9))
+    model(ForwardBatch.build(slots, [0] * batch, prompts.tolist(), device))
+    tokens = list(range(1, batch + 1))
+    eager = model(ForwardBatch.build(slots, [context] * batch, [[t] for t in tokens], device))
+    graphs = DecodeGraphs(model, batch, scratch_slot=model.k_cache.shape[1] - 1)
+    replay = graphs.run(slots, [context] * batch, tokens)
+    return (eager - replay).abs().max().item()
+
+
+def guided_table(model: Transformer, model_dir: Path, batches: list[int], context: int,
+                 steps: int, graphs: bool) -> None:
+    mode = "CUDA-graph decode" if graphs else "eager decode"
+    print(f"\n## Engine step ({mode}), every row guided (JSON schema) vs no row guided")
+    print("| batch | unguided ms | guided ms | guided/unguided | forward ms | mask fill ms | "
+          "fill exposed ms | mask apply ms | sample ms (guided / unguided) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for batch in batches:
+        plain = time_engine_steps(model, model_dir, batch, guided=False, context=context,
+                                  steps=steps, graphs=graphs)
+        guided = time_engine_steps(model, model_dir, batch, guided=True, context=context,
+                                   steps=steps, graphs=graphs)
+        ms = {k: v * 1e3 for k, v in guided.items()}
+        print(f"| {batch} | {plain['total'] * 1e3:.2f} | {ms['total']:.2f} | "
+              f"{guided['total'] / plain['total']:.3f} | {ms['forward']:.2f} | "
+              f"{ms['mask_fill']:.2f} | {ms['mask_fill_exposed']:.2f} | {ms['mask_apply']:.2f} | "
+              f"{ms['sample']:.2f} / {plain['sample'] * 1e3:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -177,15 +295,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--hf-tokens", type=int, default=32)
     parser.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU check")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="tokenizer.json for the guided vs unguided engine table")
+    parser.add_argument("--skip-forward-table", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batches = [int(b) for b in args.batches.split(",")]
     shape = TINY if args.tiny else QWEN25_05B
-    max_len = args.context + 8 + args.steps  # room for warm-up and timed steps
+    max_len = args.context + 64 + args.steps  # room for warm-up and timed steps
     with tempfile.TemporaryDirectory() as tmp:
         hf = write_checkpoint(Path(tmp), shape, dtype, device)
-        model = build_model(Path(tmp), device, dtype, max(batches), max_len)
+        model = build_model(Path(tmp), device, dtype, max(batches) + 1, max_len)
+        if args.tokenizer is not None:
+            add_tokenizer(Path(tmp), args.tokenizer)
+            if device.type == "cuda":
+                diff = check_graph_matches_eager(model, min(8, max(batches)), args.context)
+                print(f"# graph replay vs eager forward: max |logit diff| = {diff:.3g}")
+            for graphs in ([True, False] if device.type == "cuda" else [False]):
+                guided_table(model, Path(tmp), batches, args.context, args.steps, graphs)
+        if args.skip_forward_table:
+            return
     print(f"# device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "
           f"torch={torch.__version__} dtype={dtype} shape={'tiny' if args.tiny else 'qwen2.5-0.5b'} "
           f"context={args.context} steps={args.steps} "

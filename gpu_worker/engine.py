@@ -112,6 +112,9 @@ class EngineConfig:
     step_tokens: int = 512           # per-step token budget (decode tokens + prefill chunks)
     divergence_check_every: int = 1  # 0 disables the check
     idle_poll_s: float = 0.005
+    # CUDA only: replay all-decode steps of up to this many sequences from captured graphs
+    # (0 = eager). The model's KV cache needs one slot more than num_slots (the scratch slot).
+    cuda_graph_max_batch: int = 0
 
 
 class Engine:
@@ -133,6 +136,12 @@ class Engine:
         self.runs: dict[int, Run] = {}
         self.step_index = 0
         self.masks = MaskFiller(cfg.num_slots, model_vocab_size, device)
+        self.graphs = None
+        if device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
+            from gpu_worker.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, min(cfg.cuda_graph_max_batch, cfg.num_slots),
+                                       scratch_slot=cfg.num_slots)
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -213,9 +222,13 @@ class Engine:
         if guided:
             fill = self._fill_pool.submit(self.masks.fill, [rows[j].req.matcher for j in guided],
                                           guided)
-        batch = ForwardBatch.build([s.run.slot for s in seqs], [s.run.kv_len for s in seqs],
-                                   [s.tokens for s in seqs], self.device)
-        logits = self.model(batch)                                      # (S, V) fp32
+        slots, starts = [s.run.slot for s in seqs], [s.run.kv_len for s in seqs]
+        if self.graphs is not None and not any(s.prefill for s in seqs) and \
+                self.graphs.fits(len(seqs)):
+            logits = self.graphs.run(slots, starts, [s.tokens[0] for s in seqs])  # (S, V)
+        else:
+            batch = ForwardBatch.build(slots, starts, [s.tokens for s in seqs], self.device)
+            logits = self.model(batch)                                  # (S, V) fp32
         for s in seqs:
             if s.prefill:
                 s.run.prefilled += len(s.tokens)

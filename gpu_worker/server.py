@@ -252,7 +252,7 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
     tp, control_group = init_distributed(cfg.rank, cfg.tp, cfg.dist_addr, device,
                                          cfg.collective_timeout_s)
     model = load_model(model_dir, tp, dtype, device)
-    model.allocate_kv_cache(cfg.slots, cfg.max_model_len)
+    model.allocate_kv_cache(cfg.slots + 1, cfg.max_model_len)  # + the CUDA graphs' scratch slot
     metrics = WorkerMetrics(registry)
     table = SlotTable(cfg.slots, is_rank0=cfg.rank == 0, admit_timeout_s=cfg.admit_timeout_s)
     tls_ca = open(cfg.tls_ca, "rb").read() if cfg.tls_ca else None
@@ -261,7 +261,8 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
     engine = eng.Engine(
         eng.EngineConfig(num_slots=cfg.slots, max_model_len=cfg.max_model_len,
                          step_tokens=cfg.step_tokens,
-                         divergence_check_every=cfg.divergence_check_every),
+                         divergence_check_every=cfg.divergence_check_every,
+                         cuda_graph_max_batch=cfg.cuda_graph_max_batch),
         model, table, ControlChannel(control_group, cfg.tp),
         vocab_size=vocab.vocab_size, model_vocab_size=model.config.vocab_size,
         eos_token_ids=vocab.eos_token_ids, device=device, metrics=metrics)

@@ -59,7 +59,8 @@ class Child:
         self._log.close()
 
     def tail(self, n: int = 3000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_bytes()[-n:].decode(errors="replace")
 
 
@@ -93,6 +94,7 @@ class RealSystem:
                 "--device", "cpu", "--slots", str(slots), "--max-model-len", str(MAX_MODEL_LEN),
                 "--torch-threads", "1"]))
         self.gateways: list[str] = []
+        self.gateway_metrics: list[str] = []
 
     def _spawn(self, name: str, args: list[str]) -> Child:
         child = Child(name, args, self.log_dir)
@@ -108,6 +110,7 @@ class RealSystem:
             "--grammar-service", self.grammar, "--group", ",".join(self.ranks),
             "--metrics-port", str(mport), "--health-interval", "0.5", *extra])
         self.gateways.append(addr)
+        self.gateway_metrics.append(f"http://127.0.0.1:{mport}/metrics")
         return addr
 
     def wait_serving(self, timeout: float = 180.0) -> None:

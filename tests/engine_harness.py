@@ -32,17 +32,19 @@ class EngineHarness:
     """One TP=1 engine over `model_dir`; `run` pushes requests through its slots."""
 
     def __init__(self, model_dir, slots: int = 4, max_model_len: int = 256, step_tokens: int = 64):
+        # GRAMSERVE_TEST_DEVICE=cuda runs the same tests on a GPU (compiled kernel, CUDA graphs).
+        device = torch.device(os.environ.get("GRAMSERVE_TEST_DEVICE", "cpu"))
         self.vocab = load_vocab(model_dir)
-        tp, _ = init_distributed(0, 1, "", torch.device("cpu"), 60.0)
-        model = load_model(model_dir, tp, torch.float32, torch.device("cpu"))
-        model.allocate_kv_cache(slots, max_model_len)
+        tp, _ = init_distributed(0, 1, "", device, 60.0)
+        model = load_model(model_dir, tp, torch.float32, device)
+        model.allocate_kv_cache(slots + 1, max_model_len)
         self.table = SlotTable(slots, is_rank0=True, admit_timeout_s=600)
         self.engine = Engine(
             EngineConfig(num_slots=slots, max_model_len=max_model_len, step_tokens=step_tokens,
-                         idle_poll_s=0.0),
+                         idle_poll_s=0.0, cuda_graph_max_batch=slots),
             model, self.table, ControlChannel(None, 1), vocab_size=self.vocab.vocab_size,
             model_vocab_size=model.config.vocab_size, eos_token_ids=self.vocab.eos_token_ids,
-            device=torch.device("cpu"))
+            device=device)
 
     def run(self, requests: list[Request], release_after: dict[str, int] | None = None,
             max_steps: int = 100_000) -> dict[str, Outcome]:

@@ -104,6 +104,25 @@ def system(vocab):
             g.stop()
 
 
+def _admitted(rank):
+    # The gateway tags the client's id with a unique suffix for the workers.
+    return [rid.split("#")[0] for rid in rank.admits]
+
+
+def _released(rank):
+    return [(slot, rid.split("#")[0]) for slot, rid in rank.releases]
+
+
+def test_workers_get_a_unique_id_for_a_reused_client_request_id(system, vocab):
+    group = Group(vocab, [_ids(vocab, "a"), "finish"] * 2)
+    _, stub = system(group)
+    _collect(stub)
+    group.ranks[0].script = [_ids(vocab, "a"), "finish"]
+    _collect(stub)
+    ids = group.ranks[0].admits
+    assert len(ids) == 2 and ids[0] != ids[1] and _admitted(group.ranks[0]) == ["r1", "r1"]
+
+
 def _ids(vocab, text):
     return vocab.encode(text, add_special_tokens=False)
 
@@ -120,8 +139,8 @@ def test_group_failing_after_tokens_is_unavailable_and_released_on_every_rank(sy
         _collect(stub)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "not retried" in info.value.details()
-    assert all(r.releases == [(3, "r1")] for r in group.ranks)
-    assert group.ranks[0].admits == ["r1"]  # streamed tokens: never sent elsewhere
+    assert all(_released(r) == [(3, "r1")] for r in group.ranks)
+    assert _admitted(group.ranks[0]) == ["r1"]  # streamed tokens: never sent elsewhere
 
 
 def test_request_refused_before_its_first_token_goes_to_another_group(system, vocab):
@@ -131,7 +150,8 @@ def test_request_refused_before_its_first_token_goes_to_another_group(system, vo
     # Both groups are idle; ties go to group 0, the broken one.
     final = _collect(stub)[-1].final
     assert final.text == "ok" and final.finish_reason == common_pb2.FINISH_REASON_STOP
-    assert broken.ranks[0].admits == ["r1"] and good.ranks[0].admits == ["r1"]
+    assert _admitted(broken.ranks[0]) == ["r1"] == _admitted(good.ranks[0])
+    assert final.request_id == "r1"
 
 
 def test_worker_full_is_retried_not_returned(system, vocab):
@@ -139,7 +159,7 @@ def test_worker_full_is_retried_not_returned(system, vocab):
                   refuse_first=grpc.StatusCode.RESOURCE_EXHAUSTED)
     _, stub = system(group)
     assert _collect(stub)[-1].final.text == "fine"
-    assert group.ranks[0].admits == ["r1", "r1"]
+    assert _admitted(group.ranks[0]) == ["r1", "r1"]
 
 
 def test_stop_string_ends_the_request_and_releases_every_rank(system, vocab):
@@ -150,7 +170,7 @@ def test_stop_string_ends_the_request_and_releases_every_rank(system, vocab):
     final = out[-1].final
     assert final.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
     assert final.text == "hello " == "".join(r.delta.text for r in out[:-1])
-    assert all(r.releases == [(3, "r1")] for r in group.ranks)
+    assert all(_released(r) == [(3, "r1")] for r in group.ranks)
 
 
 def test_client_cancel_releases_every_rank(system, vocab):
@@ -163,7 +183,7 @@ def test_client_cancel_releases_every_rank(system, vocab):
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and not all(r.releases for r in group.ranks):
         time.sleep(0.02)
-    assert all(r.releases == [(3, "c1")] for r in group.ranks)
+    assert all(_released(r) == [(3, "c1")] for r in group.ranks)
 
 
 def test_group_failing_health_checks_is_taken_out_and_put_back(system, vocab):

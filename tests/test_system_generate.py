@@ -13,7 +13,7 @@ import time
 
 import grpc
 import pytest
-from conftest import MAX_MODEL_LEN
+from conftest import MAX_MODEL_LEN, metric
 from constraints import CHOICES, REGEX, SCHEMAS, is_valid
 
 from gateway.chat import ChatTemplate
@@ -73,7 +73,6 @@ def spec(kind, arg):
     ("ebnf", 'root ::= "yes" | "no" | "maybe " [0-9]', lambda t: re.fullmatch(
         r"yes|no|maybe [0-9]", t) is not None),
     ("structural_tag", STRUCTURAL_TAG, lambda t: t in ("<n>1</n>", "<n>2</n>", "<n>3</n>")),
-    ("json_object", None, lambda t: isinstance(json.loads(t), dict)),
 ])
 def test_every_constraint_kind_produces_a_valid_instance(stub, kind, arg, check):
     for seed in (1, 2):
@@ -86,6 +85,21 @@ def test_every_constraint_kind_produces_a_valid_instance(stub, kind, arg, check)
             assert final.schema_valid and not final.schema_error
         else:
             assert not final.HasField("schema_valid")
+
+
+def test_json_object_is_an_object_and_length_finishes_are_counted(gramserve_system, stub):
+    url = gramserve_system.gateway_metrics[0]
+    before = metric(url, "gramserve_gateway_grammar_length_finish_total")
+    lengths = 0
+    for seed in (1, 2, 3):
+        _, final = generate(stub, constraint=spec("json_object", None),
+                            sampling={"seed": seed, "max_tokens": 24})
+        assert final.text.startswith("{")
+        if final.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+            lengths += 1  # the random model wanders inside a string: legal, unfinished
+        else:
+            assert final.finish_reason in DONE and isinstance(json.loads(final.text), dict)
+    assert metric(url, "gramserve_gateway_grammar_length_finish_total") - before == lengths
 
 
 def test_unguided_stream_concatenates_to_final_text_with_its_token_ids(stub):

@@ -1,0 +1,128 @@
+"""The gateway process's configuration: flags with GRAMSERVE_* env defaults, checked once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from protos.rpc import env_default
+
+
+def parse_groups(values: list[str] | str | None) -> tuple[tuple[str, ...], ...]:
+    """Parse `r0,r1[;g2r0,g2r1]` (a string or a list of them) into groups of rank addresses.
+
+    Raises ValueError on an empty group or an address without `host:port`.
+    """
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    groups = []
+    for value in values:
+        for part in value.split(";"):
+            if not part.strip():
+                continue
+            ranks = tuple(a.strip() for a in part.split(","))
+            for addr in ranks:
+                host, sep, port = addr.rpartition(":")
+                if not sep or not host or not port.isdigit():
+                    raise ValueError(f"--group: {addr!r} is not host:port")
+            groups.append(ranks)
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway process is told at start-up. Checked when built."""
+
+    grammar_service: str
+    groups: tuple[tuple[str, ...], ...]
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_queue: int = 64
+    metrics_port: int = -1
+    health_interval: float = 2.0
+    max_request_bytes: int = 4 * 1024 * 1024
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+    def __post_init__(self):
+        if not self.grammar_service:
+            raise ValueError("--grammar-service is required")
+        if not self.groups:
+            raise ValueError("at least one --group is required")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.health_interval <= 0:
+            raise ValueError(f"--health-interval must be > 0, got {self.health_interval}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"--{name.replace('_', '-')}: no such file {path!r}")
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> GatewayConfig:
+        """Build from the namespace of a parser set up by `add_gateway_args`."""
+        return cls(
+            grammar_service=ns.grammar_service, groups=parse_groups(ns.group),
+            model=ns.model or None, host=ns.host, port=ns.port, max_queue=ns.max_queue,
+            metrics_port=ns.metrics_port, health_interval=ns.health_interval,
+            max_request_bytes=ns.max_request_bytes, tls_cert=ns.tls_cert or None,
+            tls_key=ns.tls_key or None, tls_ca=ns.tls_ca or None)
+
+    def tls_pair(self) -> tuple[bytes, bytes] | None:
+        """(certificate chain, private key) PEM bytes for the server, or None."""
+        if self.tls_cert is None:
+            return None
+        with open(self.tls_cert, "rb") as c, open(self.tls_key, "rb") as k:
+            return c.read(), k.read()
+
+    def ca_bytes(self) -> bytes | None:
+        """The CA PEM used to reach the grammar service and the workers, or None."""
+        if self.tls_ca is None:
+            return None
+        with open(self.tls_ca, "rb") as f:
+            return f.read()
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The `gramserve gateway` flags; every default comes from GRAMSERVE_<FLAG>."""
+    env_groups = env_default("group", None)
+    p.add_argument("--host", default=env_default("host", "127.0.0.1"),
+                   help="address to listen on (GRAMSERVE_HOST)")
+    p.add_argument("--port", type=int, default=env_default("port", 50051),
+                   help="gRPC port; 0 picks a free one (GRAMSERVE_PORT)")
+    p.add_argument("--grammar-service", default=env_default("grammar_service", ""),
+                   help="grammar service address host:port (GRAMSERVE_GRAMMAR_SERVICE)")
+    p.add_argument("--group", action="append", default=[env_groups] if env_groups else None,
+                   help="one TP group as rank0addr,rank1addr,...; repeat the flag or separate "
+                        "groups with ';' (GRAMSERVE_GROUP)")
+    p.add_argument("--model", default=env_default("model", ""),
+                   help="model directory (tokenizer); empty: the embedded default model "
+                        "(GRAMSERVE_MODEL)")
+    p.add_argument("--max-queue", type=int, default=env_default("max_queue", 64),
+                   help="requests that may wait for a slot; beyond it RESOURCE_EXHAUSTED "
+                        "(GRAMSERVE_MAX_QUEUE)")
+    p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", -1),
+                   help="Prometheus /metrics port; -1 off, 0 a free one (GRAMSERVE_METRICS_PORT)")
+    p.add_argument("--health-interval", type=float, default=env_default("health_interval", 2.0),
+                   help="seconds between worker health checks (GRAMSERVE_HEALTH_INTERVAL)")
+    p.add_argument("--max-request-bytes", type=int,
+                   default=env_default("max_request_bytes", 4 * 1024 * 1024),
+                   help="largest accepted GenerateRequest (GRAMSERVE_MAX_REQUEST_BYTES)")
+    p.add_argument("--tls-cert", default=env_default("tls_cert", ""),
+                   help="server certificate chain PEM (GRAMSERVE_TLS_CERT)")
+    p.add_argument("--tls-key", default=env_default("tls_key", ""),
+                   help="server private key PEM (GRAMSERVE_TLS_KEY)")
+    p.add_argument("--tls-ca", default=env_default("tls_ca", ""),
+                   help="CA PEM for connections to the grammar service and workers "
+                        "(GRAMSERVE_TLS_CA)")

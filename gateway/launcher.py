@@ -1,0 +1,260 @@
+"""`gramserve up`: grammar service, G worker groups and a gateway on loopback, supervised.
+
+Every child runs in its own process group so a stop reaches the processes it started
+too (a worker group launcher's ranks). A child that exits while the system is up is
+reported and brings the whole system down with a non-zero status: nothing is left half up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from protos.rpc import check_health, env_default
+
+_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """Flags of `gramserve up`, checked when built."""
+
+    model: str | None
+    tp: int = 2
+    groups: int = 1
+    slots: int = 8
+    device: str = "cpu"
+    port: int = 50051
+    metrics_port: int = 0
+    max_model_len: int = 0
+    max_queue: int = 64
+    cache_dir: str | None = None
+    startup_timeout: float = 600.0
+
+    def __post_init__(self):
+        for name, low in (("tp", 1), ("groups", 1), ("slots", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name} must be >= {low}, got {getattr(self, name)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.metrics_port < -1:
+            raise ValueError("--metrics-port must be -1 (off), 0 (free ports) or a base port")
+        if self.max_model_len < 0 or self.max_queue < 0:
+            raise ValueError("--max-model-len and --max-queue must be >= 0")
+        if self.startup_timeout <= 0:
+            raise ValueError("--startup-timeout must be > 0")
+
+
+def up_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=env_default("model", ""),
+                   help="model directory; empty: the embedded default model (GRAMSERVE_MODEL)")
+    p.add_argument("--tp", type=int, default=env_default("tp", 2),
+                   help="ranks per tensor-parallel group (GRAMSERVE_TP)")
+    p.add_argument("--groups", type=int, default=env_default("groups", 1),
+                   help="TP groups (model replicas) (GRAMSERVE_GROUPS)")
+    p.add_argument("--slots", type=int, default=env_default("slots", 8),
+                   help="concurrent requests per group (GRAMSERVE_SLOTS)")
+    p.add_argument("--device", default=env_default("device", "cpu"), help="cpu or cuda")
+    p.add_argument("--port", type=int, default=env_default("port", 50051),
+                   help="gateway port; 0 picks a free one (GRAMSERVE_PORT)")
+    p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
+                   help="first metrics port (grammar service, gateway, then each rank); "
+                        "0 free ports, -1 off (GRAMSERVE_METRICS_PORT)")
+    p.add_argument("--max-model-len", type=int, default=env_default("max_model_len", 0),
+                   help="context length per slot; 0 the worker's default "
+                        "(GRAMSERVE_MAX_MODEL_LEN)")
+    p.add_argument("--max-queue", type=int, default=env_default("max_queue", 64),
+                   help="gateway queue bound (GRAMSERVE_MAX_QUEUE)")
+    p.add_argument("--cache-dir", default=env_default("cache_dir", ""),
+                   help="grammar cache directory; empty: memory only (GRAMSERVE_CACHE_DIR)")
+    p.add_argument("--startup-timeout", type=float, default=env_default("startup_timeout", 600.0),
+                   help="seconds to wait for every service to be SERVING")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((_HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, taken: set[int]) -> int:
+    """The first of `n` consecutive free loopback ports, none of them in `taken`."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind((_HOST, 0))
+            base = s.getsockname()[1]
+        ports = range(base, base + n)
+        if base + n < 65536 and not taken.intersection(ports) and all(map(_port_free, ports)):
+            taken.update(ports)
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+class System:
+    """The children of `gramserve up`: start, wait until serving, supervise, stop."""
+
+    def __init__(self, config: UpConfig, out=sys.stdout):
+        self.config = config
+        self.out = out
+        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.addresses: dict[str, list[str]] = {}
+        self.metrics_urls: list[str] = []
+        self.stopping = threading.Event()
+
+    def _say(self, msg: str) -> None:
+        print(msg, file=self.out, flush=True)
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        proc = subprocess.Popen([sys.executable, "-m", *args], start_new_session=True)
+        self.children.append((name, proc))
+
+    def start(self) -> None:
+        """Start every child. Raises RuntimeError when a port cannot be found."""
+        from grammar_service.default_model import resolve_model
+
+        c = self.config
+        model_dir = str(resolve_model(c.model))  # create the default model once, here
+        taken: set[int] = set()
+        if c.port and not _port_free(c.port):
+            raise RuntimeError(f"--port {c.port} is in use")
+        gw_port = c.port or free_ports(1, taken)
+        taken.add(gw_port)
+
+        def metrics(n: int, offset: int) -> int:
+            if c.metrics_port < 0:
+                return -1
+            if c.metrics_port == 0:
+                return free_ports(n, taken)
+            return c.metrics_port + offset
+
+        grammar = f"{_HOST}:{free_ports(1, taken)}"
+        g_metrics = metrics(1, 0)
+        self._spawn("grammar-service", [
+            "grammar_service", "--host", _HOST, "--port", grammar.rsplit(":", 1)[1],
+            "--model", model_dir, "--metrics-port", str(g_metrics),
+            *(["--cache-dir", c.cache_dir] if c.cache_dir else [])])
+        self.addresses["grammar-service"] = [grammar]
+        self._metrics_url("grammar-service", g_metrics)
+        gw_metrics = metrics(1, 1)
+        group_flags = []
+        for g in range(c.groups):
+            base = free_ports(c.tp, taken)
+            dist = free_ports(1, taken)
+            w_metrics = metrics(c.tp, 2 + g * c.tp)
+            ranks = [f"{_HOST}:{base + r}" for r in range(c.tp)]
+            self._spawn(f"group{g}", [
+                "gpu_worker.launch", "--tp", str(c.tp), "--host", _HOST, "--port", str(base),
+                "--dist-port", str(dist), "--metrics-port", str(w_metrics), "--model", model_dir,
+                "--grammar-service", grammar, "--device", c.device, "--slots", str(c.slots),
+                *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])])
+            self.addresses[f"group{g}"] = ranks
+            for r in range(c.tp):
+                self._metrics_url(f"group{g} rank {r}", w_metrics + r if w_metrics >= 0 else -1)
+            group_flags += ["--group", ",".join(ranks)]
+        gateway = f"{_HOST}:{gw_port}"
+        self._spawn("gateway", [
+            "gateway", "--host", _HOST, "--port", str(gw_port), "--grammar-service", grammar,
+            *group_flags, "--model", model_dir, "--metrics-port", str(gw_metrics),
+            "--max-queue", str(c.max_queue)])
+        self.addresses["gateway"] = [gateway]
+        self._metrics_url("gateway", gw_metrics)
+
+    def _metrics_url(self, name: str, port: int) -> None:
+        if port >= 0:
+            self.metrics_urls.append(f"{name}: http://{_HOST}:{port}/metrics")
+
+    def dead_child(self) -> tuple[str, int] | None:
+        """(name, exit status) of a child that exited, or None."""
+        for name, proc in self.children:
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+    def wait_serving(self) -> None:
+        """Block until every server answers SERVING. Raises RuntimeError on a dead child
+        or after startup_timeout seconds."""
+        deadline = time.monotonic() + self.config.startup_timeout
+        pending = [a for addrs in self.addresses.values() for a in addrs]
+        while pending:
+            dead = self.dead_child()
+            if dead:
+                raise RuntimeError(f"{dead[0]} exited with status {dead[1]} during start-up")
+            if self.stopping.is_set():
+                raise RuntimeError("stopped during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not serving after {self.config.startup_timeout:.0f} s: "
+                                   + ", ".join(pending))
+            pending = [a for a in pending if not check_health(a, timeout=1.0)]
+            if pending:
+                time.sleep(0.5)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every child's process group (gateway first), then SIGKILL stragglers."""
+        for _, proc in reversed(self.children):
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, proc in reversed(self.children):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for _, proc in self.children:
+            _signal_group(proc, signal.SIGKILL)  # also reaches grandchildren left behind
+            proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def up_main(ns: argparse.Namespace) -> int:
+    """Run the whole system until Ctrl-C/SIGTERM (exit 0) or a child dies (exit 1)."""
+    try:
+        config = UpConfig(
+            model=ns.model or None, tp=ns.tp, groups=ns.groups, slots=ns.slots,
+            device=ns.device, port=ns.port, metrics_port=ns.metrics_port,
+            max_model_len=ns.max_model_len, max_queue=ns.max_queue,
+            cache_dir=ns.cache_dir or None, startup_timeout=ns.startup_timeout)
+    except ValueError as exc:
+        print(f"gramserve up: {exc}", file=sys.stderr)
+        return 2
+    system = System(config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: system.stopping.set())
+    status = 0
+    try:
+        system.start()
+        system.wait_serving()
+        system._say(f"gramserve is up: gateway {system.addresses['gateway'][0]}")
+        for url in system.metrics_urls:
+            system._say(f"  metrics {url}")
+        system._say("Ctrl-C stops everything.")
+        while not system.stopping.wait(0.5):
+            dead = system.dead_child()
+            if dead:
+                print(f"gramserve up: {dead[0]} exited with status {dead[1]}; stopping",
+                      file=sys.stderr, flush=True)
+                status = 1
+                break
+    except RuntimeError as exc:
+        print(f"gramserve up: {exc}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        system.stop()
+        system._say("gramserve stopped.")
+    return status

@@ -1,0 +1,174 @@
+"""Admission control: which worker group gets a request, and the bounded wait for a slot.
+
+Plain Python (no grpc, no torch). Free slots are tracked from this gateway's own
+bookkeeping plus each group's Info; other gateways may share a group, so a group that
+answers RESOURCE_EXHAUSTED is treated as full until one of our requests leaves it or
+`backoff_seconds` pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protos.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, Unavailable
+
+
+@dataclass
+class GroupState:
+    """What the router knows about one TP group. Mutated only under the router's lock."""
+
+    index: int
+    addresses: tuple[str, ...]
+    num_slots: int = 0
+    healthy: bool = False
+    in_use: int = 0
+    full_until: float = 0.0
+    reason: str = "not checked yet"
+    max_model_len: int = 0
+    info: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"group{self.index}"
+
+    def has_room(self, now: float) -> bool:
+        return self.healthy and self.in_use < self.num_slots and now >= self.full_until
+
+
+class Router:
+    """Least-loaded routing over healthy groups with a bounded FIFO wait queue.
+
+    `on_change(queue_depth, in_flight, healthy_groups)` is called (under the lock) whenever
+    one of those numbers may have changed, for the metrics gauges.
+    """
+
+    def __init__(self, groups: list[GroupState], max_queue: int, *,
+                 backoff_seconds: float = 0.05,
+                 on_change: Callable[[int, int, int], None] | None = None):
+        self.groups = groups
+        self.max_queue = max_queue
+        self.backoff_seconds = backoff_seconds
+        self._cond = threading.Condition()
+        self._queue: deque[int] = deque()
+        self._tickets = itertools.count()
+        self._on_change = on_change or (lambda *_: None)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def acquire(self, *, deadline: float | None = None,
+                is_active: Callable[[], bool] = lambda: True,
+                exclude: frozenset[int] = frozenset(), retry: bool = False) -> GroupState:
+        """Take a slot in the least-loaded healthy group, waiting in FIFO order if needed.
+
+        `deadline` is a time.monotonic() value. `exclude` lists group indices not to use
+        (they already failed this request). `retry` requests (sent back by a worker that
+        was full) skip the queue bound. Counts the slot as in use; give it back with
+        `release`. Raises ResourceExhausted (queue full), Unavailable (no healthy group),
+        DeadlineExceeded, or Cancelled (`is_active()` turned False while waiting).
+        """
+        with self._cond:
+            group = self._pick(exclude) if not self._queue else None
+            if group is not None:
+                return self._take(group)
+            self._check_available(exclude)
+            if len(self._queue) >= self.max_queue and not retry:
+                raise ResourceExhausted(
+                    f"every slot is busy and {len(self._queue)} requests are queued "
+                    f"(--max-queue {self.max_queue}); retry later")
+            ticket = next(self._tickets)
+            self._queue.append(ticket)
+            self._changed()
+            try:
+                return self._wait(ticket, deadline, is_active, exclude)
+            finally:
+                self._queue.remove(ticket)
+                self._changed()
+                self._cond.notify_all()
+
+    def release(self, group: GroupState, freed_worker_slot: bool = True) -> None:
+        """Give back a slot taken with `acquire`; wakes the queue.
+
+        `freed_worker_slot`: the request had held a worker slot, so the group has room
+        again even if it had answered RESOURCE_EXHAUSTED.
+        """
+        with self._cond:
+            group.in_use -= 1
+            if freed_worker_slot:
+                group.full_until = 0.0
+            self._changed()
+            self._cond.notify_all()
+
+    def mark_full(self, group: GroupState) -> None:
+        """The group's rank 0 said it has no free slot (another gateway took it)."""
+        with self._cond:
+            group.full_until = time.monotonic() + self.backoff_seconds
+
+    # -- health ---------------------------------------------------------------------------
+
+    def set_health(self, group: GroupState, healthy: bool, reason: str = "", *,
+                   num_slots: int | None = None, max_model_len: int | None = None) -> None:
+        """Take a group out of (or put it back into) rotation; wakes the queue."""
+        with self._cond:
+            group.healthy = healthy
+            group.reason = reason
+            if num_slots is not None:
+                group.num_slots = num_slots
+            if max_model_len is not None:
+                group.max_model_len = max_model_len
+            self._changed()
+            self._cond.notify_all()
+
+    def healthy_groups(self) -> list[GroupState]:
+        with self._cond:
+            return [g for g in self.groups if g.healthy]
+
+    @property
+    def queue_depth(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    # -- internals (lock held) ------------------------------------------------------------
+
+    def _pick(self, exclude: frozenset[int]) -> GroupState | None:
+        now = time.monotonic()
+        candidates = [g for g in self.groups if g.index not in exclude and g.has_room(now)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda g: (g.in_use / g.num_slots, g.in_use, g.index))
+
+    def _take(self, group: GroupState) -> GroupState:
+        group.in_use += 1
+        self._changed()
+        return group
+
+    def _check_available(self, exclude: frozenset[int]) -> None:
+        if not any(g.healthy and g.index not in exclude for g in self.groups):
+            bad = "; ".join(f"{g.name}: {g.reason}" for g in self.groups
+                            if not g.healthy) or "every group already failed this request"
+            raise Unavailable(f"no healthy worker group ({bad})")
+
+    def _wait(self, ticket, deadline, is_active, exclude) -> GroupState:
+        while True:
+            if self._queue[0] == ticket:
+                group = self._pick(exclude)
+                if group is not None:
+                    return self._take(group)
+            self._check_available(exclude)
+            if not is_active():
+                raise Cancelled("the request was cancelled while queued")
+            timeout = 0.05
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded("the deadline expired while queued for a slot")
+                timeout = min(timeout, left)
+            self._cond.wait(timeout)
+
+    def _changed(self) -> None:
+        self._on_change(len(self._queue), sum(g.in_use for g in self.groups),
+                        sum(1 for g in self.groups if g.healthy))

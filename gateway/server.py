@@ -1,0 +1,268 @@
+"""The Gateway gRPC service: validate, tokenise, compile, route, relay. Thin over `Runner`.
+
+`create_server(config)` builds and starts everything (worker clients, health monitor, gRPC
+server); `main(argv)` is `gramserve gateway`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import signal
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from gateway.chat import ChatTemplate
+from gateway.config import GatewayConfig, add_gateway_args
+from gateway.generation import Job, Runner, service_error
+from gateway.metrics import GatewayMetrics
+from gateway.router import GroupState, Router
+from gateway.validation import (
+    Limits,
+    check_output_against_schema,
+    constraint_kind,
+    validate_constraint,
+    validate_request,
+)
+from gateway.workers import GroupClient, HealthMonitor
+from grammar_service.default_model import resolve_model
+from grammar_service.vocab import Vocab, load_vocab
+from protos import gateway_pb2, gateway_pb2_grpc, grammar_pb2, grammar_pb2_grpc, worker_pb2
+from protos.rpc import (
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    channel,
+    set_serving,
+    start_metrics_server,
+)
+from protos.rpc import create_server as create_grpc_server
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+_COMPILE_TIMEOUT = 120.0
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Translates the public API into Jobs for the Runner; owns the grammar-service client."""
+
+    def __init__(self, config: GatewayConfig, vocab: Vocab, model_id: str, router: Router,
+                 runner: Runner, metrics: GatewayMetrics):
+        self._config = config
+        self._vocab = vocab
+        self._model_id = model_id
+        self._router = router
+        self._runner = runner
+        self._metrics = metrics
+        self._limits = Limits(vocab_size=vocab.vocab_size,
+                              max_request_bytes=config.max_request_bytes)
+        self._grammar_channel = channel(config.grammar_service, tls_ca=config.ca_bytes())
+        self._grammar = grammar_pb2_grpc.GrammarServiceStub(self._grammar_channel)
+        self._chat = None
+        if vocab.chat_template:
+            def token(i):
+                return vocab.tokenizer.id_to_token(i) if i is not None else ""
+            self._chat = ChatTemplate(vocab.chat_template, bos_token=token(vocab.bos_token_id),
+                                      eos_token=token(vocab.eos_token_ids[0]))
+
+    # -- rpcs -----------------------------------------------------------------------------
+
+    def Generate(self, request, context):
+        arrived = time.monotonic()
+        kind = constraint_kind(request.constraint)
+        status = "CANCELLED"  # unless the stream ends otherwise (a closed generator is one)
+        try:
+            job = self._job(request, context, arrived, kind)
+            yield from self._runner.run(job, context)
+            status = "OK"
+        except ServiceError as exc:
+            status = exc.code.name
+            raise
+        except Exception:
+            status = "INTERNAL"
+            raise
+        finally:
+            self._metrics.requests.labels(kind, status).inc()
+            self._metrics.request_seconds.observe(time.monotonic() - arrived)
+
+    def CompileGrammar(self, request, context):
+        self._check_model(request.model)
+        if constraint_kind(request.constraint) == "none":
+            raise InvalidArgument("no constraint kind is set", field="constraint")
+        validate_constraint(request.constraint)
+        ref = self._compile(request.constraint, context.time_remaining())
+        return gateway_pb2.CompileGrammarResponse(
+            key=ref.key, kind=ref.kind, cached=ref.cached, compile_seconds=ref.compile_seconds,
+            unenforced_keywords=list(ref.unenforced_keywords))
+
+    def ListModels(self, request, context):
+        groups = self._router.groups
+        known = [g.max_model_len for g in groups if g.max_model_len]
+        return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelInfo(
+            id=self._model_id, vocab_size=self._vocab.vocab_size,
+            max_model_len=min(known) if known else 0, groups=len(groups),
+            tp_size=len(groups[0].addresses))])
+
+    def close(self) -> None:
+        self._grammar_channel.close()
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def _job(self, request, context, arrived: float, kind: str) -> Job:
+        validate_request(request, self._limits)
+        self._check_model(request.model)
+        prompt_ids = self._tokenize(request)
+        self._check_length(prompt_ids)
+        sampling = type(request.sampling)()
+        sampling.CopyFrom(request.sampling)
+        if not sampling.HasField("seed"):
+            sampling.seed = secrets.randbits(63)
+        stops, include_stop = list(sampling.stop), sampling.include_stop_str_in_output
+        del sampling.stop[:]  # stop strings are the gateway's; the worker ignores them
+        remaining = context.time_remaining()
+        deadline = arrived + remaining if remaining is not None else None
+        # Workers tag slots with the request id, so it must be unique across every client and
+        # gateway sharing a group: a client's own id gets a suffix (the client sees its id).
+        request_id = request.request_id or uuid.uuid4().hex
+        worker_id = f"{request_id}#{uuid.uuid4().hex[:12]}" if request.request_id else request_id
+        admit = worker_pb2.AdmitRequest(
+            request_id=worker_id, slot=-1,
+            prompt_token_ids=prompt_ids, sampling=sampling)
+        compile_seconds = 0.0
+        if kind != "none":
+            t0 = time.monotonic()
+            ref = self._compile(request.constraint, remaining)
+            compile_seconds = ref.compile_seconds if ref.cached else time.monotonic() - t0
+            admit.grammar_key = ref.key
+            admit.grammar.CopyFrom(request.constraint)
+        return Job(admit=admit, request_id=request_id, kind=kind, stops=stops, include_stop=include_stop,
+                   schema=request.constraint.json_schema if kind == "json_schema" else None,
+                   arrived=arrived, compile_seconds=compile_seconds, deadline=deadline)
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self._model_id:
+            raise NotFound(f"unknown model {model!r}; this gateway serves {self._model_id!r}",
+                           field="model")
+
+    def _tokenize(self, request) -> list[int]:
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
+        if request.messages:
+            if self._chat is None:
+                raise InvalidArgument("the model has no chat template; send `prompt` instead",
+                                      field="messages")
+            text = self._chat.render([(m.role, m.content) for m in request.messages])
+            return self._vocab.encode(text, add_special_tokens=False)
+        return self._vocab.encode(request.prompt, add_special_tokens=True)
+
+    def _check_length(self, prompt_ids: list[int]) -> None:
+        known = [g.max_model_len for g in self._router.groups if g.max_model_len]
+        if known and len(prompt_ids) >= min(known):
+            raise InvalidArgument(
+                f"the prompt is {len(prompt_ids)} tokens; the context holds {min(known)} "
+                "(prompt plus at least one generated token)", field="prompt")
+
+    def _compile(self, spec, remaining: float | None) -> grammar_pb2.GrammarRef:
+        timeout = _COMPILE_TIMEOUT if remaining is None else min(remaining, _COMPILE_TIMEOUT)
+        try:
+            return self._grammar.Compile(grammar_pb2.CompileRequest(spec=spec), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise service_error(exc, "grammar service") from None
+
+
+@dataclass
+class Gateway:
+    """A running gateway: its gRPC server, bound port and the parts to stop."""
+
+    server: grpc.Server
+    port: int
+    servicer: GatewayServicer
+    monitor: HealthMonitor
+    clients: list[GroupClient]
+    metrics_port: int
+    _metrics_server: object = None
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop taking requests, let running ones finish for `grace` seconds, close clients."""
+        self.server.stop(grace).wait()
+        self.monitor.stop()
+        self.servicer.close()
+        for c in self.clients:
+            c.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+
+
+def create_server(config: GatewayConfig, registry: CollectorRegistry | None = None) -> Gateway:
+    """Load the vocabulary, connect to the groups, and start serving on config.host:port.
+
+    Group health is checked once before returning and then every `health_interval`
+    seconds; the gateway's health is SERVING while at least one group is. Raises
+    ValueError for a bad model directory, RuntimeError when the port cannot be bound.
+    """
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    model_dir = resolve_model(config.model)
+    vocab = load_vocab(model_dir)
+    states = [GroupState(index=i, addresses=g) for i, g in enumerate(config.groups)]
+    health_ref: list = []
+
+    def on_change(queue_depth: int, in_flight: int, healthy: int) -> None:
+        metrics.queue_depth.set(queue_depth)
+        metrics.in_flight.set(in_flight)
+        metrics.healthy_groups.set(healthy)
+        if health_ref:
+            set_serving(health_ref[0], [SERVICE_NAME], healthy > 0)
+
+    router = Router(states, config.max_queue, on_change=on_change)
+    pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="fanout")
+    clients = [GroupClient(s, config.ca_bytes(), pool) for s in states]
+    monitor = HealthMonitor(router, clients, vocab.fingerprint, config.health_interval)
+    runner = Runner(router, clients, vocab.token_bytes, metrics, monitor.poke,
+                    check_output_against_schema)
+    servicer = GatewayServicer(config, vocab, Path(model_dir).name, router, runner, metrics)
+    # One thread per open stream: enough for every queued request plus the running ones.
+    server, port, health = create_grpc_server(
+        [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
+        host=config.host, port=config.port, tls=config.tls_pair(),
+        max_workers=config.max_queue + 256)
+    health_ref.append(health)
+    monitor.start()
+    metrics_server, metrics_port = start_metrics_server(config.metrics_port, registry)
+    return Gateway(server, port, servicer, monitor, clients, metrics_port, metrics_server)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gramserve gateway", description=__doc__.splitlines()[0])
+    add_gateway_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the gateway until SIGTERM/SIGINT; returns the exit status (2 on bad flags)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = GatewayConfig.from_args(args)
+    except ValueError as exc:
+        print(f"gramserve gateway: {exc}", flush=True)
+        return 2
+    gw = create_server(config)
+    print(f"gateway listening on {config.host}:{gw.port}"
+          + (f", metrics on :{gw.metrics_port}/metrics" if gw.metrics_port >= 0 else ""),
+          flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    gw.stop()
+    return 0

@@ -1,0 +1,149 @@
+"""Checks on a GenerateRequest at the edge: every problem names its field.
+
+Deeper grammar checks (is the schema valid JSON Schema, does the regex parse) belong to the
+grammar service, which names `constraint.<...>` fields the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from protos import common_pb2, gateway_pb2
+from protos.rpc import InvalidArgument
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds a request must respect (from the served model and the gateway config)."""
+
+    vocab_size: int
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    max_request_id_chars: int = 128
+    max_messages: int = 1024
+
+
+def constraint_kind(spec: common_pb2.GrammarSpec) -> str:
+    """The constraint's kind ("json_schema", "regex", ...) or "none" when unguided."""
+    return spec.WhichOneof("kind") or "none"
+
+
+def validate_request(req: gateway_pb2.GenerateRequest, limits: Limits) -> None:
+    """Raise InvalidArgument naming the first bad field of `req`; no effect otherwise."""
+    size = req.ByteSize()
+    if size > limits.max_request_bytes:
+        raise InvalidArgument(
+            f"the request is {size} bytes; the limit is {limits.max_request_bytes}",
+            field="request")
+    if len(req.request_id) > limits.max_request_id_chars or not req.request_id.isprintable():
+        raise InvalidArgument(
+            f"must be printable and at most {limits.max_request_id_chars} characters",
+            field="request_id")
+    _validate_prompt(req, limits)
+    validate_sampling(req.sampling, limits)
+    validate_constraint(req.constraint)
+
+
+def _validate_prompt(req: gateway_pb2.GenerateRequest, limits: Limits) -> None:
+    forms = [name for name, present in (
+        ("prompt", req.HasField("prompt")),
+        ("prompt_token_ids", len(req.prompt_token_ids) > 0),
+        ("messages", len(req.messages) > 0)) if present]
+    if len(forms) != 1:
+        what = "none was given" if not forms else f"got {' and '.join(forms)}"
+        raise InvalidArgument(
+            f"exactly one of prompt, prompt_token_ids or messages is required; {what}",
+            field="prompt")
+    if forms[0] == "prompt" and not req.prompt:
+        raise InvalidArgument("must not be empty", field="prompt")
+    for i, tok in enumerate(req.prompt_token_ids):
+        if tok >= limits.vocab_size:
+            raise InvalidArgument(
+                f"token id {tok} is outside the vocabulary (size {limits.vocab_size})",
+                field=f"prompt_token_ids[{i}]")
+    if len(req.messages) > limits.max_messages:
+        raise InvalidArgument(f"at most {limits.max_messages} messages", field="messages")
+    for i, msg in enumerate(req.messages):
+        if not msg.role:
+            raise InvalidArgument("must not be empty", field=f"messages[{i}].role")
+
+
+def validate_sampling(s: common_pb2.SamplingParams, limits: Limits) -> None:
+    """Raise InvalidArgument naming the first bad `sampling.*` field."""
+    def bad(name: str, why: str):
+        raise InvalidArgument(why, field=f"sampling.{name}")
+
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens < 1:
+        bad("max_tokens", f"must be >= 1, got {max_tokens}")
+    if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
+        bad("temperature", f"must be finite and >= 0, got {s.temperature}")
+    if s.HasField("top_p") and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+        bad("top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.top_k < 0:
+        bad("top_k", f"must be >= 0, got {s.top_k}")
+    if not (math.isfinite(s.min_p) and 0 <= s.min_p <= 1):
+        bad("min_p", f"must be in [0, 1], got {s.min_p}")
+    if s.min_tokens < 0:
+        bad("min_tokens", f"must be >= 0, got {s.min_tokens}")
+    if s.min_tokens > max_tokens:
+        bad("min_tokens", f"must be <= max_tokens ({max_tokens}), got {s.min_tokens}")
+    if len(s.stop) > limits.max_stop_strings:
+        bad("stop", f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
+    for i, stop in enumerate(s.stop):
+        if not stop or len(stop) > limits.max_stop_chars:
+            bad(f"stop[{i}]", f"must be 1 to {limits.max_stop_chars} characters")
+    for i, tok in enumerate(s.stop_token_ids):
+        if tok >= limits.vocab_size:
+            bad(f"stop_token_ids[{i}]",
+                f"token id {tok} is outside the vocabulary (size {limits.vocab_size})")
+
+
+def validate_constraint(spec: common_pb2.GrammarSpec) -> None:
+    """Shallow checks of `constraint`; the grammar service does the rest."""
+    kind = spec.WhichOneof("kind")
+    if kind in ("json_schema", "regex", "ebnf", "structural_tag") and not getattr(spec, kind):
+        raise InvalidArgument("must not be empty", field=f"constraint.{kind}")
+    if kind == "choice":
+        choices = list(spec.choice.choices)
+        if not choices:
+            raise InvalidArgument("needs at least one choice", field="constraint.choice")
+        for i, c in enumerate(choices):
+            if not c:
+                raise InvalidArgument("must not be empty", field=f"constraint.choice[{i}]")
+        if len(set(choices)) != len(choices):
+            dup = next(c for c in choices if choices.count(c) > 1)
+            raise InvalidArgument(f"duplicate choice {dup!r}", field="constraint.choice")
+    if spec.options.whitespace not in common_pb2.Whitespace.values():
+        raise InvalidArgument(f"unknown value {spec.options.whitespace}",
+                              field="constraint.options.whitespace")
+
+
+def check_output_against_schema(schema_text: str, text: str) -> tuple[bool, str]:
+    """(valid, why not) for generated `text` against the user's JSON schema (jsonschema).
+
+    The compiled grammar can be looser than the schema, so this is the final word on
+    `schema_valid`. Never raises.
+    """
+    import json
+
+    import jsonschema
+
+    try:
+        instance = json.loads(text)
+    except ValueError as exc:
+        return False, f"output is not JSON: {exc}"
+    try:
+        schema = json.loads(schema_text)
+        validator = jsonschema.validators.validator_for(schema)(schema)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
+    except Exception as exc:  # a schema jsonschema cannot handle is not a valid output
+        return False, f"schema could not be checked: {exc}"
+    if error is None:
+        return True, ""
+    where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+    return False, f"at {where}: {error.message}"

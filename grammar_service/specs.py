@@ -1,0 +1,255 @@
+"""Validation and canonical form of a grammar spec, and its cache key.
+
+Plain Python (protobuf messages in, a frozen dataclass out): no grpc, torch or xgrammar, so
+the gateway can validate at its edge with the same code the grammar service uses.
+
+Canonical text per kind:
+- json_schema, structural_tag: the JSON re-serialised without whitespace, keys in their
+  given order: xgrammar generates properties in schema order, so `{"a","b"}` and
+  `{"b","a"}` are different grammars and must not share a key.
+- regex, ebnf: the text as given (whitespace can be significant).
+- choice: a JSON list of the choices, sorted (the order does not change the language).
+- json_object: empty.
+Options are reduced to those that apply to the kind, so an ignored option never changes the
+key. Syntax errors in regex and EBNF are found by xgrammar in the compile pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from jsonschema import exceptions as jsonschema_exceptions
+from jsonschema import validators as jsonschema_validators
+
+from grammar_service.unenforced import find_unenforced
+from protos import common_pb2
+from protos.rpc import InvalidArgument
+
+KINDS = ("json_schema", "regex", "ebnf", "choice", "json_object", "structural_tag")
+JSON_KINDS = ("json_schema", "json_object")
+
+DEFAULT_MAX_WHITESPACE = 4
+# A bound beyond this is as good as unbounded for a looping model; ask for WHITESPACE_ANY.
+MAX_MAX_WHITESPACE = 64
+DEFAULT_MAX_SPEC_BYTES = 1024 * 1024
+
+_WHITESPACE_NAMES = {
+    common_pb2.WHITESPACE_BOUNDED: "bounded",
+    common_pb2.WHITESPACE_COMPACT: "compact",
+    common_pb2.WHITESPACE_ANY: "any",
+}
+
+
+@dataclass(frozen=True)
+class GrammarOptions:
+    """The options that apply to a spec's kind (the others are left at their defaults).
+
+    whitespace: "bounded", "compact" or "any" (JSON kinds; "bounded" otherwise, unused).
+    max_whitespace: the bound with "bounded" JSON grammars, else 0.
+    strict: refuse schemas with unenforced keywords (json_schema only).
+    allow_unlisted_properties: xgrammar strict_mode=False (json_schema only).
+    """
+
+    whitespace: str = "bounded"
+    max_whitespace: int = 0
+    strict: bool = False
+    allow_unlisted_properties: bool = False
+
+
+@dataclass(frozen=True)
+class CanonicalSpec:
+    """A validated grammar spec in canonical form.
+
+    unenforced_keywords: paths of schema keywords xgrammar compiles without enforcing
+    (see grammar_service.unenforced); empty for every kind but json_schema.
+    """
+
+    kind: str
+    text: str
+    options: GrammarOptions
+    unenforced_keywords: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict (kind, text, options); the inverse of `from_dict`."""
+        return {"kind": self.kind, "text": self.text, "options": vars(self.options).copy()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CanonicalSpec:
+        """Rebuild a spec written by `to_dict` (the unenforced list is recomputed)."""
+        options = GrammarOptions(**data["options"])
+        unenforced = ()
+        if data["kind"] == "json_schema":
+            unenforced = tuple(find_unenforced(json.loads(data["text"])))
+        return cls(data["kind"], data["text"], options, unenforced)
+
+
+def canonical_json(value) -> str:
+    """JSON without whitespace, keys in order (order can change the grammar), non-ASCII kept."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def cache_key(spec: CanonicalSpec, vocab_fingerprint: str, xgrammar_version: str) -> str:
+    """sha256 hex of the canonical spec, its options, the vocabulary and the xgrammar version."""
+    material = json.dumps({
+        "spec": spec.to_dict(),
+        "vocab": vocab_fingerprint,
+        "xgrammar": xgrammar_version,
+    }, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+def parse_spec(
+    spec: common_pb2.GrammarSpec,
+    *,
+    field: str = "spec",
+    max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES,
+) -> CanonicalSpec:
+    """Validate `spec` and return its canonical form; no other effect.
+
+    `field` is the name of the spec in the caller's request (the gateway passes
+    "constraint"), used as the prefix of every error's field path. Raises InvalidArgument
+    naming the offending field: no kind set, text over `max_spec_bytes`, not JSON (with
+    line and column), not a valid JSON Schema, an unsupported schema feature, an empty or
+    duplicate choice, options that do not apply to the kind, and, with `options.strict`, a
+    schema whose keywords the compiled grammar would not all enforce.
+    """
+    kind = spec.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument(f"no constraint kind set; set one of {', '.join(KINDS)}",
+                              field=field)
+    _reject_unknown_fields(spec, field)
+    _reject_unknown_fields(spec.options, f"{field}.options")
+    where = f"{field}.{kind}"
+    options = _parse_options(spec.options, kind, f"{field}.options")
+    if kind == "json_schema":
+        schema = _parse_json(spec.json_schema, where, max_spec_bytes)
+        _check_schema(schema, where)
+        unenforced = tuple(find_unenforced(schema))
+        if options.strict and unenforced:
+            raise InvalidArgument(
+                "schema uses keywords the compiled grammar does not enforce: "
+                f"{', '.join(unenforced)} (unset options.strict to accept an approximation)",
+                field=where)
+        return CanonicalSpec(kind, canonical_json(schema), options, unenforced)
+    if kind == "structural_tag":
+        tag = _parse_json(spec.structural_tag, where, max_spec_bytes)
+        if not isinstance(tag, dict):
+            raise InvalidArgument("must be a JSON object", field=where)
+        return CanonicalSpec(kind, canonical_json(tag), options)
+    if kind in ("regex", "ebnf"):
+        text = getattr(spec, kind)
+        _check_size(text, where, max_spec_bytes)
+        if not text:
+            raise InvalidArgument("is empty", field=where)
+        return CanonicalSpec(kind, text, options)
+    if kind == "choice":
+        choices = _check_choices(list(spec.choice.choices), f"{where}.choices", max_spec_bytes)
+        return CanonicalSpec(kind, canonical_json(sorted(choices)), options)
+    return CanonicalSpec("json_object", "", options)
+
+
+def _reject_unknown_fields(message, field: str) -> None:
+    # A field this build does not know (a newer client's option) must not be dropped
+    # silently: the caller would get a grammar without what it asked for.
+    from google.protobuf import unknown_fields
+
+    numbers = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(message)})
+    if numbers:
+        raise InvalidArgument(f"unknown field number(s) {numbers}; this server does not "
+                              "support them", field=field)
+
+
+def _parse_options(opts: common_pb2.GrammarOptions, kind: str, field: str) -> GrammarOptions:
+    if opts.whitespace not in _WHITESPACE_NAMES:
+        raise InvalidArgument(f"unknown whitespace policy {opts.whitespace}",
+                              field=f"{field}.whitespace")
+    whitespace = _WHITESPACE_NAMES[opts.whitespace]
+    if kind not in JSON_KINDS:
+        if opts.whitespace != common_pb2.WHITESPACE_BOUNDED or opts.max_whitespace:
+            raise InvalidArgument(f"whitespace options apply only to {' and '.join(JSON_KINDS)}, "
+                                  f"not {kind}", field=f"{field}.whitespace")
+    if kind != "json_schema":
+        for name in ("strict", "allow_unlisted_properties"):
+            if getattr(opts, name):
+                raise InvalidArgument(f"applies only to json_schema, not {kind}",
+                                      field=f"{field}.{name}")
+    if kind not in JSON_KINDS:
+        return GrammarOptions()
+    max_ws = 0
+    if whitespace == "bounded":
+        max_ws = opts.max_whitespace or DEFAULT_MAX_WHITESPACE
+        if max_ws > MAX_MAX_WHITESPACE:
+            raise InvalidArgument(
+                f"{opts.max_whitespace} is over the limit of {MAX_MAX_WHITESPACE}; use "
+                "WHITESPACE_ANY for unbounded whitespace", field=f"{field}.max_whitespace")
+    elif opts.max_whitespace:
+        raise InvalidArgument("applies only with WHITESPACE_BOUNDED",
+                              field=f"{field}.max_whitespace")
+    return GrammarOptions(whitespace, max_ws, opts.strict, opts.allow_unlisted_properties)
+
+
+def _check_size(text: str, field: str, max_spec_bytes: int) -> None:
+    size = len(text.encode())
+    if size > max_spec_bytes:
+        raise InvalidArgument(f"is {size} bytes, over the limit of {max_spec_bytes}", field=field)
+
+
+def _parse_json(text: str, field: str, max_spec_bytes: int):
+    _check_size(text, field, max_spec_bytes)
+    if not text.strip():
+        raise InvalidArgument("is empty; expected JSON", field=field)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"not valid JSON: {exc.msg} at line {exc.lineno} column "
+                              f"{exc.colno}", field=field) from None
+    except RecursionError:
+        raise InvalidArgument("not usable JSON: nested too deeply", field=field) from None
+
+
+def _check_schema(schema, field: str) -> None:
+    if not isinstance(schema, dict):
+        raise InvalidArgument("must be a JSON object (a schema)", field=field)
+    cls = jsonschema_validators.validator_for(
+        schema, default=jsonschema_validators.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema_exceptions.SchemaError as exc:
+        path = ".".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise InvalidArgument(f"not a valid JSON Schema at {path}: {exc.message}",
+                              field=field) from None
+    except RecursionError:
+        raise InvalidArgument("not usable: schema nested too deeply", field=field) from None
+    _check_refs(schema, field, "")
+
+
+def _check_refs(node, field: str, path: str) -> None:
+    """Only local `$ref`s ("#..."): xgrammar cannot fetch others and would ignore them."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise InvalidArgument(f"unsupported schema feature at {path or '(root)'}: $ref "
+                                  f"{ref!r} is not local (only '#/...' references work)",
+                                  field=field)
+        for key, value in node.items():
+            _check_refs(value, field, f"{path}.{key}" if path else key)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _check_refs(value, field, f"{path}.{i}")
+
+
+def _check_choices(choices: list[str], field: str, max_spec_bytes: int) -> list[str]:
+    if not choices:
+        raise InvalidArgument("is empty; give at least one choice", field=field)
+    _check_size("".join(choices), field, max_spec_bytes)
+    first: dict[str, int] = {}
+    for i, choice in enumerate(choices):
+        if not choice:
+            raise InvalidArgument("is an empty string", field=f"{field}[{i}]")
+        if choice in first:
+            raise InvalidArgument(f"duplicates {field}[{first[choice]}] ({choice!r})",
+                                  field=f"{field}[{i}]")
+        first[choice] = i
+    return choices

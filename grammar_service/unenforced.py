@@ -1,0 +1,150 @@
+"""JSON Schema keywords xgrammar 0.2.9 compiles without enforcing, and the walk that finds them.
+
+Each entry of UNENFORCED carries its evidence: a schema using the keyword and an instance on
+which xgrammar's compiled grammar and the schema disagree (the schema rejects it and the
+grammar accepts it, or the other way round). tests/test_grammar_unenforced.py compiles every
+example with real xgrammar, so an upgrade that starts enforcing a keyword fails a test and
+the entry can be dropped. Keywords found enforced when this table was made (so absent here):
+minLength/maxLength without a pattern, minimum/maximum and their exclusive forms,
+multipleOf (integer, on type integer, no range), enum, const, propertyNames, min/maxProperties, min/maxItems, prefixItems,
+anyOf, additionalProperties, unevaluatedProperties/Items, local $ref, and the formats in
+ENFORCED_FORMATS.
+
+Reported paths: the keyword's location from the schema root, joined by dots, array indices
+as numbers: `not`, `properties.name.minLength`, `anyOf.1.format`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+# Format values xgrammar 0.2.9 turns into a grammar; any other value is accepted as a string.
+ENFORCED_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "uri", "uri-reference", "uri-template",
+    "ipv4", "ipv6", "hostname", "uuid", "json-pointer", "relative-json-pointer",
+})
+
+
+def _always(node: dict) -> bool:
+    return True
+
+
+def _next_to_pattern(node: dict) -> bool:
+    return "pattern" in node
+
+
+def _unknown_format(node: dict) -> bool:
+    return node.get("format") not in ENFORCED_FORMATS
+
+
+_RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _multiple_not_plain_integer(node: dict) -> bool:
+    # Enforced only as an integer on type integer with no range next to it (a range drops it).
+    value = node.get("multipleOf")
+    plain = isinstance(value, int) and node.get("type") == "integer"
+    return not plain or any(k in node for k in _RANGE)
+
+
+@dataclass(frozen=True)
+class Unenforced:
+    """One keyword xgrammar does not enforce, when `applies(schema_node)`, with evidence."""
+
+    keyword: str
+    applies: Callable[[dict], bool]
+    example_schema: dict
+    example_instance: object
+    why: str
+
+
+_INT_OBJ = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+_INT_ARRAY = {"type": "array", "items": {"type": "integer"}}
+
+UNENFORCED: tuple[Unenforced, ...] = (
+    Unenforced("not", _always,
+               {"type": "integer", "not": {"const": 3}}, 3, "ignored"),
+    Unenforced("oneOf", _always,
+               {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, 3,
+               "treated as anyOf"),
+    Unenforced("allOf", _always,
+               {"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]},
+               9, "approximated"),
+    Unenforced("minLength", _next_to_pattern,
+               {"type": "string", "pattern": "^[a-z]+$", "minLength": 5}, "ab",
+               "dropped next to a pattern"),
+    Unenforced("maxLength", _next_to_pattern,
+               {"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, "abcde",
+               "dropped next to a pattern"),
+    Unenforced("format", _unknown_format,
+               {"type": "string", "format": "regex"}, "((",
+               "values outside ENFORCED_FORMATS accept any string"),
+    Unenforced("dependencies", _always,
+               {**_INT_OBJ, "$schema": "http://json-schema.org/draft-07/schema#",
+                "dependencies": {"a": ["b"]}}, {"a": 1}, "ignored (draft-07 keyword)"),
+    Unenforced("dependentRequired", _always,
+               {**_INT_OBJ, "dependentRequired": {"a": ["b"]}}, {"a": 1}, "ignored"),
+    Unenforced("dependentSchemas", _always,
+               {**_INT_OBJ, "dependentSchemas": {"a": {"required": ["b"]}}}, {"a": 1}, "ignored"),
+    Unenforced("if", _always,
+               {**_INT_OBJ, "if": {"properties": {"a": {"const": 1}}},
+                "then": {"required": ["b"]}}, {"a": 1}, "if/then/else ignored"),
+    Unenforced("uniqueItems", _always,
+               {**_INT_ARRAY, "uniqueItems": True}, [1, 1], "ignored"),
+    Unenforced("contains", _always,
+               {**_INT_ARRAY, "contains": {"const": 5}}, [1, 2], "ignored"),
+    Unenforced("minContains", _always,
+               {**_INT_ARRAY, "contains": {"const": 5}, "minContains": 2}, [1, 2], "ignored"),
+    Unenforced("maxContains", _always,
+               {**_INT_ARRAY, "contains": {"const": 5}, "maxContains": 1}, [5, 5], "ignored"),
+    Unenforced("multipleOf", _multiple_not_plain_integer,
+               {"type": "number", "multipleOf": 0.5}, 0.3,
+               "enforced only as an integer on type integer without minimum/maximum"),
+    Unenforced("patternProperties", _always,
+               {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, {"xa": 1},
+               "ignored: matching properties are refused as unlisted"),
+)
+
+_BY_KEYWORD = {entry.keyword: entry for entry in UNENFORCED}
+
+# Keywords whose value is one subschema / a map of subschemas / a list of subschemas.
+_ONE = ("not", "if", "then", "else", "contains", "additionalProperties", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "additionalItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def find_unenforced(schema) -> list[str]:
+    """Paths of the keywords in `schema` that xgrammar would not enforce, in walk order.
+
+    Pure; `schema` is the parsed JSON. Unknown shapes are skipped (validated elsewhere).
+    """
+    return list(_walk(schema, ""))
+
+
+def _walk(node, path: str) -> Iterator[str]:
+    if not isinstance(node, dict):
+        return
+    for keyword in node:
+        entry = _BY_KEYWORD.get(keyword)
+        if entry is not None and entry.applies(node):
+            yield _join(path, keyword)
+    for keyword in _ONE:
+        if isinstance(node.get(keyword), dict):
+            yield from _walk(node[keyword], _join(path, keyword))
+    for keyword in _MAP:
+        if isinstance(node.get(keyword), dict):
+            for name, sub in node[keyword].items():
+                yield from _walk(sub, _join(path, f"{keyword}.{name}"))
+    for keyword in _LIST:
+        if isinstance(node.get(keyword), list):
+            for i, sub in enumerate(node[keyword]):
+                yield from _walk(sub, _join(path, f"{keyword}.{i}"))
+    if isinstance(node.get("dependencies"), dict):
+        for name, sub in node["dependencies"].items():
+            yield from _walk(sub, _join(path, f"dependencies.{name}"))
+
+
+def _join(path: str, part: str) -> str:
+    return f"{path}.{part}" if path else part
