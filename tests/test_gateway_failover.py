@@ -210,8 +210,8 @@ def test_full_queue_is_resource_exhausted(system, vocab):
     group = Group(vocab, [_ids(vocab, "a"), "wait"], num_slots=1)
     gw, stub = system(group, max_queue=1)
     running = stub.Generate(gateway_pb2.GenerateRequest(prompt="a", request_id="a"), timeout=10)
+    next(running)  # holds the only slot before the second request arrives
     queued = stub.Generate(gateway_pb2.GenerateRequest(prompt="b", request_id="b"), timeout=10)
-    next(running)
     deadline = time.monotonic() + 5
     while gw.servicer._router.queue_depth < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
