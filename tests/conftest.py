@@ -8,67 +8,19 @@ system shared by the system-test modules of a session (start-up is slow on 2 cor
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-import pytest
+# Triton runs the kernel on CPU tensors only through its interpreter, chosen before the first
+# import of triton anywhere in the test process.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from protos.rpc import check_health
+import pytest  # noqa: E402
+from procs import Child, free_port, metric, wait_serving  # noqa: E402, F401
 
-ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Child:
-    """A child process in its own process group, its output in a log file."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path):
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        self.popen = subprocess.Popen([sys.executable, "-m", *args], stdout=self._log,
-                                      stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                      start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.alive():
-            os.killpg(self.popen.pid, sig)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self.kill(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill(signal.SIGKILL)
-            self.popen.wait()
-        self._log.close()
-
-    def tail(self, n: int = 3000) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_bytes()[-n:].decode(errors="replace")
-
-
-def metric(url: str, name: str) -> float:
-    """Sum of the samples named `name` on a /metrics page."""
-    body = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith(name) and line[len(name)] in " {")
 
 
 class RealSystem:
@@ -114,18 +66,7 @@ class RealSystem:
         return addr
 
     def wait_serving(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        pending = [self.grammar, *self.ranks, *self.gateways]
-        while pending:
-            dead = [c for c in self.children if not c.alive()]
-            if dead:
-                raise RuntimeError(f"{dead[0].name} exited early:\n{dead[0].tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not serving: {pending}\n"
-                                   + "\n".join(c.tail(800) for c in self.children))
-            pending = [a for a in pending if not check_health(a, timeout=1.0)]
-            if pending:
-                time.sleep(0.3)
+        wait_serving([self.grammar, *self.ranks, *self.gateways], self.children, timeout)
 
     def slots_in_use(self) -> list[float]:
         return [metric(url, "gramserve_worker_slots_in_use") for url in self.rank_metrics]

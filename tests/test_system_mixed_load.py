@@ -10,8 +10,8 @@ import json
 import random
 import threading
 
-from conftest import metric
 from constraints import constraint_mix, is_valid
+from procs import metric
 
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
 from protos.rpc import channel

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT
+from procs import ROOT
 
 from protos.rpc import check_health
 

@@ -185,17 +185,16 @@ def test_killed_rank_makes_its_peer_exit_in_bounded_time(system):
     NOT_SERVING and exits by itself, well within the collective timeout plus a margin."""
     import os
     import signal
-    import sys
 
-    from worker_procs import Proc, free_ports, wait_serving
+    from procs import Child, free_port, wait_serving
 
-    ports = free_ports(3)
+    ports = [free_port() for _ in range(3)]
     common = ["--tp", "2", "--dist-addr", f"127.0.0.1:{ports[2]}", "--model",
               str(system["model_dir"]), "--grammar-service", system["grammar"], "--device", "cpu",
               "--slots", "2", "--max-model-len", "256", "--collective-timeout", "5",
               "--torch-threads", "1", "--metrics-port", "-1"]
-    ranks = [Proc([sys.executable, "-m", "gpu_worker", "--rank", str(r), "--port", str(ports[r]),
-                   *common], system["root"] / f"kill-rank{r}.log") for r in range(2)]
+    ranks = [Child(f"kill-rank{r}", ["gpu_worker", "--rank", str(r), "--port", str(ports[r]),
+                                     *common], system["root"]) for r in range(2)]
     addrs = [f"127.0.0.1:{p}" for p in ports[:2]]
     client = GroupClient(addrs)
     try:
