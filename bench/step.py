@@ -202,7 +202,7 @@ def add_tokenizer(model_dir: Path, tokenizer_json: Path) -> None:
 
 def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided: bool,
                       context: int, steps: int, warmup: int = 5,
-                      graphs: bool = True) -> dict[str, float]:
+                      graphs: bool = True, profile=None) -> dict[str, float]:
     """Median per-phase seconds of the engine's decode step with `batch` running slots.
 
     Every request gets a `context`-token prompt and never ends (ignore_eos, guided by a schema
@@ -242,9 +242,13 @@ def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided
         table.allocate(req.request_id, req)
     rows = []
     while len(rows) < warmup + steps:
+        if profile is not None and len(rows) == warmup:
+            profile.__enter__()
         engine.step()
         if engine.runs and all(r.generated for r in engine.runs.values()):
             rows.append(dict(engine.last_step_timings))
+    if profile is not None:
+        profile.__exit__(None, None, None)
     assert len(engine.runs) == batch, "a request ended during the benchmark"
     for r in list(engine.runs.values()):
         engine._finish(r, "cancelled")
@@ -298,6 +302,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer.json for the guided vs unguided engine table")
     parser.add_argument("--skip-forward-table", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print a torch.profiler table of the engine step")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -314,6 +320,15 @@ def main() -> None:
                 print(f"# graph replay vs eager forward: max |logit diff| = {diff:.3g}")
             for graphs in ([True, False] if device.type == "cuda" else [False]):
                 guided_table(model, Path(tmp), batches, args.context, args.steps, graphs)
+        if args.profile and args.tokenizer is not None:
+            from torch.profiler import ProfilerActivity, profile
+
+            for guided in (False, True):
+                prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                time_engine_steps(model, Path(tmp), max(batches), guided=guided,
+                                  context=args.context, steps=10, profile=prof)
+                print(f"\n## Profile of 10 engine steps, batch {max(batches)}, guided={guided}")
+                print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
         if args.skip_forward_table:
             return
     print(f"# device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "

@@ -18,6 +18,8 @@ from gpu_worker.model import ForwardBatch
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: Tensor, out: Tensor):
         self.graph, self.inputs, self.out = graph, inputs, out
+        # Pinned staging for the step's inputs: one non-blocking copy, no allocation per step.
+        self.staging = torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
 
 
 class DecodeGraphs:
@@ -50,9 +52,11 @@ class DecodeGraphs:
         g = self.graphs.get(size) or self._capture(size)
         pad = size - n
         positions = starts + [0] * pad
-        host = torch.tensor([tokens + [0] * pad, positions, slots + [self.scratch_slot] * pad,
-                             [p + 1 for p in positions]], dtype=torch.int64).pin_memory()
-        g.inputs.copy_(host, non_blocking=True)
+        # The previous step ended with a device sync, so the staging buffer is free.
+        g.staging.copy_(torch.tensor([tokens + [0] * pad, positions,
+                                      slots + [self.scratch_slot] * pad,
+                                      [p + 1 for p in positions]], dtype=torch.int64))
+        g.inputs.copy_(g.staging, non_blocking=True)
         g.graph.replay()
         return g.out[:n]
 

@@ -32,6 +32,10 @@ class MaskFiller:
         pin = device.type == "cuda"
         self.host = torch.full((rows, self.width), -1, dtype=torch.int32, pin_memory=pin)
         self.dev = self.host if device.type == "cpu" else torch.empty_like(self.host, device=device)
+        # Guided row indices, staged in pinned memory so their copy does not block the host.
+        self.rows_host = torch.zeros(rows, dtype=torch.int32, pin_memory=pin)
+        self.rows_dev = self.rows_host if device.type == "cpu" else \
+            torch.empty_like(self.rows_host, device=device)
         self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads)
 
     def fill(self, matchers: list, positions: list[int]) -> float:
@@ -46,8 +50,11 @@ class MaskFiller:
 
     def apply(self, logits: torch.Tensor, positions: list[int]) -> None:
         """Mask logits rows `positions` (R, V) in place with the rows just filled."""
-        n = max(positions) + 1
+        n, k = max(positions) + 1, len(positions)
+        # The previous step ended with a device sync (sampled ids to the host), so the staging
+        # buffers are free to overwrite.
+        self.rows_host[:k] = torch.tensor(positions, dtype=torch.int32)
         if self.dev is not self.host:
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        rows = torch.tensor(positions, dtype=torch.int32, device=logits.device)
-        apply_token_bitmask_(logits, self.dev, rows, vocab_size=self.vocab_size)
+            self.rows_dev[:k].copy_(self.rows_host[:k], non_blocking=True)
+        apply_token_bitmask_(logits, self.dev, self.rows_dev[:k], vocab_size=self.vocab_size)

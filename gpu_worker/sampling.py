@@ -100,11 +100,15 @@ class SamplingBatch:
                 raise ValueError(f"{name}: every value must be {rule}")
         flags = SamplingFlags(all(t == 0 for t in temperature), any(k > 0 for k in top_k),
                               any(p < 1 for p in top_p), any(p > 0 for p in min_p))
-        dtypes = {"temperature": torch.float32, "top_k": torch.int32, "top_p": torch.float32,
-                  "min_p": torch.float32, "seed": torch.int64, "step": torch.int64}
-        tensors = {name: torch.tensor(list(values), dtype=dtypes[name]).to(device,
-                                                                           non_blocking=True)
-                   for name, values in columns.items()}
+        # Two packed host tensors (pinned for a GPU, from PyTorch's caching host allocator),
+        # so a step costs two non-blocking copies instead of six pageable ones.
+        floats = torch.tensor([list(temperature), list(top_p), list(min_p)], dtype=torch.float32)
+        ints = torch.tensor([list(top_k), list(seed), list(step)], dtype=torch.int64)
+        if torch.device(device).type == "cuda":
+            floats = floats.pin_memory().to(device, non_blocking=True)
+            ints = ints.pin_memory().to(device, non_blocking=True)
+        tensors = {"temperature": floats[0], "top_p": floats[1], "min_p": floats[2],
+                   "top_k": ints[0].to(torch.int32), "seed": ints[1], "step": ints[2]}
         return cls(**tensors, flags=flags)
 
     def to(self, device: torch.device | str) -> SamplingBatch:
@@ -133,14 +137,20 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def row_keys(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 in [0, 2**32): the per-row hash key of (seed, step) that the token hash mixes
+    with each token id (shared with the fused CUDA kernel in sample_kernel.py)."""
+    seed_lo, seed_hi = seed & _MASK32, (seed >> 32) & _MASK32
+    return _mix32(_mix32(_mix32(seed_lo ^ 0x9E3779B9) ^ seed_hi) ^ (step & _MASK32))
+
+
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, n_cols: int) -> torch.Tensor:
     """u = hash(seed, step, token) in (0, 1), float32 (B, n_cols); a pure function of its inputs.
 
     Uses 23 bits per value: u = (k + 0.5) / 2**23, so u is never 0 or 1 and -log(-log(u)) is
     finite (the Gumbel noise is truncated to about [-2.8, 16.6]). Steps are taken mod 2**32.
     """
-    seed_lo, seed_hi = seed & _MASK32, (seed >> 32) & _MASK32
-    key = _mix32(_mix32(_mix32(seed_lo ^ 0x9E3779B9) ^ seed_hi) ^ (step & _MASK32))  # (B,)
+    key = row_keys(seed, step)  # (B,)
     token = torch.arange(n_cols, device=seed.device, dtype=torch.int64)
     bits = _mix32(_mix32(key[:, None] ^ token[None, :]) ^ 0x5BD1E995)  # (B, V)
     return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 2**23)
@@ -182,6 +192,13 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     dead = ~(best > float("-inf"))  # also true for NaN
     if params.flags.all_greedy:
         return greedy.masked_fill(dead, 0), dead
+    flags = params.flags
+    if logits.is_cuda and not (flags.any_top_k or flags.any_top_p or flags.any_min_p):
+        # One fused pass instead of ~20 elementwise passes over (B, V) int64 noise.
+        from gpu_worker.sample_kernel import gumbel_argmax
+
+        tokens = gumbel_argmax(logits, params.temperature, params.seed, params.step)
+        return tokens.masked_fill(dead, 0), dead
     # Dead rows are zeroed so that their softmax stays finite; their result is discarded.
     safe = logits.masked_fill(dead[:, None], 0.0)
     temperature = params.temperature.clamp(min=_MIN_TEMPERATURE)[:, None]  # (B, 1)
