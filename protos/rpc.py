@@ -16,8 +16,6 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +118,7 @@ def create_server(
     port: int = 0,
     max_workers: int = 32,
     tls: tuple[bytes, bytes] | None = None,
-) -> tuple[grpc.Server, int, health.HealthServicer]:
+) -> tuple[grpc.Server, int, Any]:
     """Build and start a server with health and reflection; return (server, port, health).
 
     `register` lists (add_XServicer_to_server, servicer, full service name). Port 0 picks a
@@ -128,6 +126,11 @@ def create_server(
     set SERVING in the health service; callers flip it to NOT_SERVING when they lose a
     dependency. Raises RuntimeError when the port cannot be bound.
     """
+    # Imported here so that modules needing only env_default or the errors (the worker's
+    # benchmarks on a bare GPU machine, say) do not need the health and reflection packages.
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=[_ErrorMapper()],
@@ -155,8 +158,10 @@ def create_server(
     return server, bound, health_servicer
 
 
-def set_serving(health_servicer: health.HealthServicer, names: Iterable[str], serving: bool) -> None:
+def set_serving(health_servicer, names: Iterable[str], serving: bool) -> None:
     """Set the overall status and each named service SERVING or NOT_SERVING."""
+    from grpc_health.v1 import health_pb2
+
     status = (health_pb2.HealthCheckResponse.SERVING if serving
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ["", *names]:
@@ -172,6 +177,8 @@ def channel(address: str, *, tls_ca: bytes | None = None) -> grpc.Channel:
 
 def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
     """True when the server at `address` answers SERVING for `service` ("" = overall)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     with channel(address) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(

@@ -34,6 +34,8 @@ class EngineHarness:
     def __init__(self, model_dir, slots: int = 4, max_model_len: int = 256, step_tokens: int = 64):
         # GRAMSERVE_TEST_DEVICE=cuda runs the same tests on a GPU (compiled kernel, CUDA graphs).
         device = torch.device(os.environ.get("GRAMSERVE_TEST_DEVICE", "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", 0)
         self.vocab = load_vocab(model_dir)
         tp, _ = init_distributed(0, 1, "", device, 60.0)
         model = load_model(model_dir, tp, torch.float32, device)
