@@ -24,6 +24,7 @@ import re
 import signal
 import threading
 
+from grammar_service.schema_fixes import fix_schema
 from grammar_service.specs import CanonicalSpec
 from protos.rpc import (
     DeadlineExceeded,
@@ -222,7 +223,8 @@ def _cap_address_space(memory_mb: int) -> None:
 def _compile(compiler, spec: CanonicalSpec):
     opts = spec.options
     if spec.kind in ("json_schema", "json_object"):
-        schema = spec.text if spec.kind == "json_schema" else '{"type":"object"}'
+        schema = (json.dumps(fix_schema(json.loads(spec.text)))
+                  if spec.kind == "json_schema" else '{"type":"object"}')
         compact = opts.whitespace == "compact"
         return compiler.compile_json_schema(
             schema,
