@@ -3,7 +3,9 @@
 One step, identical on every rank:
   1. control all-reduce → starts and releases take effect (I2);
   2. schedule: every decoding slot gets one token, prefill chunks fill the token budget;
-  3. start filling the guided rows' bitmasks on a CPU thread, run the forward meanwhile;
+  3. the guided rows' bitmasks are filled on a CPU thread while the CPU and the GPU do
+     everything else: a row's fill starts as soon as its previous token is accepted (end of
+     the previous step), or before the forward for a row that samples for the first time;
   4. padded vocabulary ids masked for every row; bitmask applied to the guided rows only
      (the kernel never touches an unguided row: I4);
   5. sample with counter-based per-request noise (same tokens whatever the batch: I3);
@@ -84,6 +86,7 @@ class Run:
     generated: list[int] = field(default_factory=list)
     emitted: int = 0
     first_token_at: float | None = None
+    mask_fill: Future | None = None  # the fill of this slot's bitmask row, once submitted
 
     @property
     def slot(self) -> int:
@@ -216,12 +219,10 @@ class Engine:
         sampling = [i for i, s in enumerate(seqs) if s.samples]
         rows = [seqs[i].run for i in sampling]
         guided = [j for j, r in enumerate(rows) if r.req.matcher is not None]
-        # Fill the guided rows' masks on a CPU thread while the forward runs (xgrammar
-        # releases the GIL). Matchers are not touched by anything else until accept.
-        fill: Future | None = None
-        if guided:
-            fill = self._fill_pool.submit(self.masks.fill, [rows[j].req.matcher for j in guided],
-                                          guided)
+        fresh = [rows[j] for j in guided if rows[j].mask_fill is None]
+        if fresh:  # rows sampling for the first time: fill them while the forward runs
+            self._submit_fill(fresh)
+        fill = [rows[j].mask_fill for j in guided]
         slots, starts = [s.run.slot for s in seqs], [s.run.kv_len for s in seqs]
         if self.graphs is not None and not any(s.prefill for s in seqs) and \
                 self.graphs.fits(len(seqs)):
@@ -244,11 +245,15 @@ class Engine:
         if self.vocab_size < logits.shape[1]:
             logits[:, self.vocab_size:] = float("-inf")  # padded ids are no tokens
         t_wait = time.perf_counter()
-        t["mask_fill"] = fill.result() if fill is not None else 0.0
+        # The fill thread runs jobs in order, so a row's newest fill finishes last: waiting for
+        # every row's future means every guided row holds its matcher's current mask.
+        t["mask_fill"] = sum(f.result() for f in dict.fromkeys(fill))
         t_mask = time.perf_counter()
         t["mask_fill_exposed"] = t_mask - t_wait
         if guided:
-            self.masks.apply(logits, guided)
+            for j in guided:
+                rows[j].mask_fill = None
+            self.masks.apply(logits, guided, [rows[j].slot for j in guided])
         self._suppress_early_stop(logits, rows)
         t_sample = time.perf_counter()
         t["mask_apply"] = t_sample - t_mask
@@ -263,6 +268,22 @@ class Engine:
         t["sample"] = time.perf_counter() - t_sample
         for j, r in enumerate(rows):
             self._advance(r, tokens[j], dead[j], j in diverged)
+        # Start the next step's fills now, while this step's results are emitted and the
+        # next step is scheduled and launched.
+        ahead = [rows[j] for j in guided if rows[j].slot in self.runs
+                 and self.runs[rows[j].slot] is rows[j]]
+        if ahead:
+            self._submit_fill(ahead)
+
+    def _submit_fill(self, runs: list[Run]) -> None:
+        """Fill the bitmask rows (by slot) of `runs` from their matchers on the fill thread.
+
+        A released slot's pending fill may still write its row; its next tenant's fill is
+        submitted later and so runs later, and is waited for before that row is used."""
+        future = self._fill_pool.submit(self.masks.fill, [r.req.matcher for r in runs],
+                                        [r.slot for r in runs])
+        for r in runs:
+            r.mask_fill = future
 
     def _advance(self, r: Run, token: int, dead: bool, diverged: bool) -> None:
         req = r.req
