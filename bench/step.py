@@ -202,7 +202,8 @@ def add_tokenizer(model_dir: Path, tokenizer_json: Path) -> None:
 
 def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided: bool,
                       context: int, steps: int, warmup: int = 5,
-                      graphs: bool = True, profile=None) -> dict[str, float]:
+                      graphs: bool = True, profile=None,
+                      fill_threads: int = 0) -> dict[str, float]:
     """Median per-phase seconds of the engine's decode step with `batch` running slots.
 
     Every request gets a `context`-token prompt and never ends (ignore_eos, guided by a schema
@@ -224,7 +225,8 @@ def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided
     table = SlotTable(slots, is_rank0=True, admit_timeout_s=600)
     engine = Engine(EngineConfig(num_slots=slots, max_model_len=model.k_cache.shape[2],
                                  step_tokens=batch * context + slots, idle_poll_s=0.0,
-                                 cuda_graph_max_batch=slots if graphs else 0),
+                                 cuda_graph_max_batch=slots if graphs else 0,
+                                 mask_fill_threads=fill_threads),
                     model, table, ControlChannel(None, 1), vocab_size=vocab.vocab_size,
                     model_vocab_size=model.config.vocab_size, eos_token_ids=vocab.eos_token_ids,
                     device=device)
@@ -302,6 +304,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer.json for the guided vs unguided engine table")
     parser.add_argument("--skip-forward-table", action="store_true")
+    parser.add_argument("--fill-threads-sweep", action="store_true",
+                        help="also time the guided step with several mask-fill thread counts")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of the engine step")
     args = parser.parse_args()
@@ -320,6 +324,20 @@ def main() -> None:
                 print(f"# graph replay vs eager forward: max |logit diff| = {diff:.3g}")
             for graphs in ([True, False] if device.type == "cuda" else [False]):
                 guided_table(model, Path(tmp), batches, args.context, args.steps, graphs)
+        if args.fill_threads_sweep and args.tokenizer is not None:
+            batch = max(batches)
+            plain = time_engine_steps(model, Path(tmp), batch, guided=False,
+                                      context=args.context, steps=args.steps)
+            print(f"\n## Mask fill threads, batch {batch} (unguided step "
+                  f"{plain['total'] * 1e3:.2f} ms)")
+            print("| fill threads | guided ms | guided/unguided | mask fill ms | fill exposed ms |")
+            print("|---|---|---|---|---|")
+            for threads in (0, 8, 4, 2, 1):
+                g = time_engine_steps(model, Path(tmp), batch, guided=True, context=args.context,
+                                      steps=args.steps, fill_threads=threads)
+                print(f"| {threads or 'auto'} | {g['total'] * 1e3:.2f} | "
+                      f"{g['total'] / plain['total']:.3f} | {g['mask_fill'] * 1e3:.2f} | "
+                      f"{g['mask_fill_exposed'] * 1e3:.2f} |", flush=True)
         if args.profile and args.tokenizer is not None:
             from torch.profiler import ProfilerActivity, profile
 

@@ -33,6 +33,7 @@ class WorkerConfig:
     grammar_cache_bytes: int
     torch_threads: int
     cuda_graph_max_batch: int
+    mask_fill_threads: int
     tls_cert: str
     tls_key: str
     tls_ca: str
@@ -52,6 +53,7 @@ class WorkerConfig:
             (self.collective_timeout_s > 0, "collective-timeout", "must be > 0"),
             (self.divergence_check_every >= 0, "divergence-check-every", "must be >= 0"),
             (self.cuda_graph_max_batch >= 0, "cuda-graph-max-batch", "must be >= 0"),
+            (self.mask_fill_threads >= 0, "mask-fill-threads", "must be >= 0"),
             (self.grammar_cache_bytes > 0, "grammar-cache-bytes", "must be > 0"),
             (bool(self.tls_cert) == bool(self.tls_key), "tls-cert", "needs --tls-key (and back)"),
         ]
@@ -104,6 +106,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-max-batch", type=int, default=e("cuda_graph_max_batch", 64),
                    help="CUDA: replay decode steps of up to this many sequences from CUDA "
                         "graphs (0 = eager)")
+    p.add_argument("--mask-fill-threads", type=int, default=e("mask_fill_threads", 0),
+                   help="threads filling the guided rows' bitmasks (0 = one per core)")
     p.add_argument("--tls-cert", default=e("tls_cert", ""), help="server certificate PEM file")
     p.add_argument("--tls-key", default=e("tls_key", ""), help="server private key PEM file")
     p.add_argument("--tls-ca", default=e("tls_ca", ""),

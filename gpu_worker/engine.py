@@ -118,6 +118,7 @@ class EngineConfig:
     # CUDA only: replay all-decode steps of up to this many sequences from captured graphs
     # (0 = eager). The model's KV cache needs one slot more than num_slots (the scratch slot).
     cuda_graph_max_batch: int = 0
+    mask_fill_threads: int = 0       # xgrammar's batch fill threads (0 = one per core)
 
 
 class Engine:
@@ -138,7 +139,8 @@ class Engine:
         self.on_fatal = on_fatal
         self.runs: dict[int, Run] = {}
         self.step_index = 0
-        self.masks = MaskFiller(cfg.num_slots, model_vocab_size, device)
+        self.masks = MaskFiller(cfg.num_slots, model_vocab_size, device,
+                                fill_threads=cfg.mask_fill_threads or "auto")
         self.graphs = None
         if device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
             from gpu_worker.cuda_graphs import DecodeGraphs
