@@ -117,8 +117,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             handle = r.grammars.acquire(request.grammar_key,
                                         request.grammar if request.HasField("grammar") else None)
             req.grammar, req.release_grammar = handle, r.grammars.release
-            req.matcher = handle.new_matcher()
         try:
+            if req.grammar is not None:
+                req.matcher = req.grammar.new_matcher()  # this rank's own (I1)
             if r.cfg.rank == 0:
                 if request.slot != -1:
                     raise FailedPrecondition("rank 0 allocates slots: send slot = -1", field="slot")
@@ -149,12 +150,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except UnknownRequest:
                     pass
 
-        context.add_callback(on_rpc_end)
+        if not context.add_callback(on_rpc_end):  # the caller is already gone
+            on_rpc_end()
+            return
         yield worker_pb2.AdmitEvent(admitted=worker_pb2.Admitted(slot=entry.slot, rank=0))
         while True:
             try:
                 event = req.events.get(timeout=1.0)
             except queue.Empty:
+                if not context.is_active():
+                    return  # on_rpc_end has asked for the release
                 continue
             if event[0] == "tokens":
                 yield worker_pb2.AdmitEvent(tokens=worker_pb2.Tokens(token_ids=event[1]))
