@@ -264,7 +264,11 @@ class Engine:
         diverged: set[int] = set()
         every = self.cfg.divergence_check_every
         if every and self.control.size > 1 and self.step_index % every == 0:
-            diverged = set(diverged_rows(tokens, self.control))
+            # A dead row is sent as -1, so a dead row on one rank never matches a real
+            # token 0 on another.
+            diverged = set(diverged_rows([-1 if d else tok for tok, d in zip(tokens, dead,
+                                                                             strict=True)],
+                                         self.control))
             if diverged and self.metrics is not None:
                 self.metrics.tp_divergence.inc()
         t["sample"] = time.perf_counter() - t_sample
@@ -303,14 +307,14 @@ class Engine:
             r.first_token_at = time.monotonic()
         if self.metrics is not None:
             self.metrics.tokens.labels(kind="generated").inc()
-        ends = token in req.stop_token_ids or token in self.eos
+        ends = token in req.stop_token_ids or (
+            token in self.eos and (req.matcher is not None or not req.ignore_eos))
         if not ends:
             r.emitted += 1
             req.emit("tokens", [token])
         if req.matcher is not None and req.matcher.is_terminated():
             return self._finish(r, GRAMMAR_COMPLETED)
-        if ends and (req.matcher is not None or token in req.stop_token_ids or not req.ignore_eos):
-            # A guided row only samples a stop id where its grammar allows one.
+        if ends:  # a guided row only samples a stop id where its grammar allows one
             return self._finish(r, STOP)
         if len(r.generated) >= req.max_tokens or r.kv_len + 1 >= self.cfg.max_model_len:
             return self._finish(r, LENGTH)
