@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gpu_worker.loader import load_model
-from gpu_worker.model import ForwardBatch, Transformer
-from gpu_worker.parallel import TPGroup
+from gpu_worker.runtime.loader import load_model
+from gpu_worker.runtime.model import ForwardBatch, Transformer
+from gpu_worker.runtime.parallel import TPGroup
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
@@ -214,9 +214,9 @@ def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided
 
     import xgrammar as xgr
 
-    from gpu_worker.control import ControlChannel
-    from gpu_worker.engine import Engine, EngineConfig, Request
-    from gpu_worker.slots import SlotTable
+    from gpu_worker.control.engine import Engine, EngineConfig, Request
+    from gpu_worker.control.lockstep import ControlChannel
+    from gpu_worker.control.slots import SlotTable
     from grammar_service.vocab import load_vocab
 
     vocab = load_vocab(model_dir)
@@ -261,7 +261,7 @@ def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided
 def check_graph_matches_eager(model: Transformer, batch: int, context: int) -> float:
     """Max |logit difference| between a graph replay and the eager forward of the same
     decode step (slots in shuffled order, so the graph's gather path is exercised)."""
-    from gpu_worker.cuda_graphs import DecodeGraphs
+    from gpu_worker.runtime.cuda_graphs import DecodeGraphs
 
     device = model.tp.device
     slots = list(range(batch))[::-1]

@@ -16,7 +16,7 @@ def _run() -> int:
         # Triton runs on CPU tensors only through its interpreter; it must be chosen before
         # triton is first imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from gpu_worker.server import main
+    from gpu_worker.control.server import main
 
     return main(sys.argv[1:])
 

@@ -12,11 +12,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from gpu_worker.control import ControlChannel  # noqa: E402
-from gpu_worker.engine import Engine, EngineConfig, Request  # noqa: E402
-from gpu_worker.loader import load_model  # noqa: E402
-from gpu_worker.parallel import init_distributed  # noqa: E402
-from gpu_worker.slots import SlotTable  # noqa: E402
+from gpu_worker.control.engine import Engine, EngineConfig, Request  # noqa: E402
+from gpu_worker.control.lockstep import ControlChannel  # noqa: E402
+from gpu_worker.control.slots import SlotTable  # noqa: E402
+from gpu_worker.runtime.loader import load_model  # noqa: E402
+from gpu_worker.runtime.parallel import init_distributed  # noqa: E402
 from grammar_service.vocab import load_vocab  # noqa: E402
 
 

@@ -6,7 +6,7 @@ import socket
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpu_worker.control import ControlChannel, diverged_rows
+from gpu_worker.control.lockstep import ControlChannel, diverged_rows
 
 
 def _rank(rank: int, port: int, out):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gpu_worker.loader import load_model
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.parallel import TPGroup
+from gpu_worker.runtime.loader import load_model
+from gpu_worker.runtime.model_config import ModelConfig
+from gpu_worker.runtime.parallel import TPGroup
 
 BASE = {"model_type": "llama", "vocab_size": 131, "hidden_size": 32, "num_hidden_layers": 1,
         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
@@ -122,7 +122,7 @@ def test_model_forward_rejects_a_sequence_past_the_cache(tmp_path):
     model_dir = _write(tmp_path)
     save_file(_weights(ModelConfig.from_dir(model_dir)), str(tmp_path / "model.safetensors"))
     model = load_model(model_dir, CPU, torch.float32, "cpu")
-    from gpu_worker.model import ForwardBatch
+    from gpu_worker.runtime.model import ForwardBatch
 
     with pytest.raises(RuntimeError, match="allocate_kv_cache"):
         model(ForwardBatch.build([0], [0], [[1, 2]], "cpu"))

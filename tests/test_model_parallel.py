@@ -27,7 +27,7 @@ def _rank(rank: int, port: int, which: str, events, results) -> None:
     `results` queue: a process killed while it holds a shared queue's lock would block the
     other's reply."""
     torch.set_num_threads(1)
-    from gpu_worker.parallel import init_distributed
+    from gpu_worker.runtime.parallel import init_distributed
 
     tp, control = init_distributed(rank, 2, f"127.0.0.1:{port}", torch.device("cpu"), TIMEOUT_S)
     x = torch.ones(4)
@@ -82,7 +82,7 @@ def test_model_control_all_reduce_raises_within_timeout_when_peer_hangs():
 
 
 def _single_rank(results) -> None:
-    from gpu_worker.parallel import init_distributed
+    from gpu_worker.runtime.parallel import init_distributed
 
     tp, control = init_distributed(0, 1, "unused:0", torch.device("cpu"), 5.0)
     flags = torch.tensor([1, 0, 1], dtype=torch.int32)

@@ -59,8 +59,8 @@ def _sequences() -> dict[str, list[int]]:
 
 def run_plan(model_dir: str, tp) -> list[torch.Tensor]:
     """Load `model_dir` on this rank and return the (S, vocab) logits of every PLAN step."""
-    from gpu_worker.loader import load_model
-    from gpu_worker.model import ForwardBatch
+    from gpu_worker.runtime.loader import load_model
+    from gpu_worker.runtime.model import ForwardBatch
 
     model = load_model(model_dir, tp, torch.float32, tp.device)
     model.allocate_kv_cache(NUM_SLOTS, MAX_LEN)
@@ -76,7 +76,7 @@ def run_plan(model_dir: str, tp) -> list[torch.Tensor]:
 
 def _tp2_rank(rank: int, port: int, model_dirs: dict[str, str], results) -> None:
     torch.set_num_threads(1)
-    from gpu_worker.parallel import init_distributed
+    from gpu_worker.runtime.parallel import init_distributed
 
     try:
         tp, _ = init_distributed(rank, 2, f"127.0.0.1:{port}", torch.device("cpu"), 60.0)
@@ -123,7 +123,7 @@ def _assert_plan_matches(name: str, outputs: list[torch.Tensor], ref: dict[str, 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_model_logits_match_transformers_at_tp1(checkpoints, name):
-    from gpu_worker.parallel import TPGroup
+    from gpu_worker.runtime.parallel import TPGroup
 
     model_dir, ref = checkpoints[name]
     outputs = run_plan(model_dir, TPGroup(0, 1, None, torch.device("cpu")))

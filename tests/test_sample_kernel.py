@@ -8,8 +8,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from gpu_worker.sample_kernel import gumbel_argmax  # noqa: E402
-from gpu_worker.sampling import SamplingBatch, sample  # noqa: E402
+from gpu_worker.sampling.kernel import gumbel_argmax  # noqa: E402
+from gpu_worker.sampling.sampler import SamplingBatch, sample  # noqa: E402
 
 
 def _batch(temps, seeds, steps):

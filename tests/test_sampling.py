@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from gpu_worker.sampling import SamplingBatch, sample, uniform_noise
+from gpu_worker.sampling.noise import uniform_noise
+from gpu_worker.sampling.sampler import SamplingBatch, sample
 
 
 def batch(n_rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0):

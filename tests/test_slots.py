@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gpu_worker.slots import NoFreeSlot, SlotBusy, SlotTable, UnknownRequest, request_key
+from gpu_worker.control.slots import NoFreeSlot, SlotBusy, SlotTable, UnknownRequest, request_key
 
 
 def reduce_max(*vectors):

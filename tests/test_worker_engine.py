@@ -13,7 +13,7 @@ import xgrammar as xgr
 from constraints import SCHEMAS, constraint_mix, is_valid
 from engine_harness import EngineHarness
 
-from gpu_worker.engine import DEAD_END, GRAMMAR_COMPLETED, LENGTH, STOP, Request
+from gpu_worker.control.engine import DEAD_END, GRAMMAR_COMPLETED, LENGTH, STOP, Request
 from grammar_service.default_model import ensure_default_model
 
 

@@ -18,7 +18,7 @@ import pytest
 import xgrammar as xgr
 from prometheus_client import CollectorRegistry
 
-from gpu_worker.grammar_cache import WorkerGrammarCache
+from gpu_worker.guided.grammar_cache import WorkerGrammarCache
 from gpu_worker.metrics import WorkerMetrics
 from grammar_service.default_model import ensure_default_model
 from grammar_service.vocab import Vocab, load_vocab

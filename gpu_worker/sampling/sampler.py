@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
+from gpu_worker.sampling.noise import uniform_noise
+
 _MIN_TEMPERATURE = 1e-6  # dividing by smaller values could overflow float32 logits to inf
 
 
@@ -118,44 +119,6 @@ class SamplingBatch:
                                              "step")})
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2**32 for x in [0, 2**32) and an odd 32-bit constant c, kept within int64
-    # with no overflow: for c >= 2**31, x * c = x * (c - 2**31) + x * 2**31, and
-    # x * 2**31 mod 2**32 is (x & 1) << 31. Every product stays below 2**63.
-    if c >= 2**31:
-        return ((x * (c - 2**31)) + ((x & 1) << 31)) & _MASK32
-    return (x * c) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    # A 32-bit bijective mixer with full avalanche (xorshift-multiply, constants from Chris
-    # Wellons' "lowbias32"); input and output in [0, 2**32) held in int64.
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def row_keys(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """(B,) int64 in [0, 2**32): the per-row hash key of (seed, step) that the token hash mixes
-    with each token id (shared with the fused CUDA kernel in sample_kernel.py)."""
-    seed_lo, seed_hi = seed & _MASK32, (seed >> 32) & _MASK32
-    return _mix32(_mix32(_mix32(seed_lo ^ 0x9E3779B9) ^ seed_hi) ^ (step & _MASK32))
-
-
-def uniform_noise(seed: torch.Tensor, step: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """u = hash(seed, step, token) in (0, 1), float32 (B, n_cols); a pure function of its inputs.
-
-    Uses 23 bits per value: u = (k + 0.5) / 2**23, so u is never 0 or 1 and -log(-log(u)) is
-    finite (the Gumbel noise is truncated to about [-2.8, 16.6]). Steps are taken mod 2**32.
-    """
-    key = row_keys(seed, step)  # (B,)
-    token = torch.arange(n_cols, device=seed.device, dtype=torch.int64)
-    bits = _mix32(_mix32(key[:, None] ^ token[None, :]) ^ 0x5BD1E995)  # (B, V)
-    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 2**23)
-
-
 def _top_k_top_p_keep(scaled: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     # (B, V) bool: tokens that survive top-k then top-p. One stable sort, so ties keep the
     # lower token id first and the result is deterministic.
@@ -195,7 +158,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     flags = params.flags
     if logits.is_cuda and not (flags.any_top_k or flags.any_top_p or flags.any_min_p):
         # One fused pass instead of ~20 elementwise passes over (B, V) int64 noise.
-        from gpu_worker.sample_kernel import gumbel_argmax
+        from gpu_worker.sampling.kernel import gumbel_argmax
 
         tokens = gumbel_argmax(logits, params.temperature, params.seed, params.step)
         return tokens.masked_fill(dead, 0), dead

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from gpu_worker.mask_reference import check_mask_args
+from gpu_worker.guided.mask_reference import check_mask_args
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ share ONE attention call per layer over a masked window; prefill chunks (several
 possibly continuing an earlier chunk) get one call each. What a slot holds beyond its length
 is never read, so the engine "resets" a slot by setting its length to 0.
 
-Tensor parallelism lives in the layers of gpu_worker/parallel.py; this file never calls
+Tensor parallelism lives in the layers of gpu_worker/runtime/parallel.py; this file never calls
 torch.distributed. The hot path reads no device values on the host (no `.item()`), so the
 engine's CPU work overlaps the GPU, and the decode path reads only tensors of the batch, so it
 can be captured in a CUDA graph with static ForwardBatch buffers.
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.parallel import (
+from gpu_worker.runtime.model_config import ModelConfig
+from gpu_worker.runtime.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,

@@ -20,7 +20,7 @@ _FAMILIES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
 }
-# Keys each RoPE type needs beyond `rope_type` (see gpu_worker/model.py for the formulas).
+# Keys each RoPE type needs beyond `rope_type` (see gpu_worker/runtime/model.py for the formulas).
 ROPE_TYPES = {
     "default": (),
     "linear": ("factor",),

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.control import ControlChannel, diverged_rows
-from gpu_worker.guided import MaskFiller
-from gpu_worker.model import ForwardBatch
-from gpu_worker.sampling import SamplingBatch, sample
-from gpu_worker.slots import Entry, SlotTable
+from gpu_worker.control.lockstep import ControlChannel, diverged_rows
+from gpu_worker.control.slots import Entry, SlotTable
+from gpu_worker.guided.masks import MaskFiller
+from gpu_worker.runtime.model import ForwardBatch
+from gpu_worker.sampling.sampler import SamplingBatch, sample
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Engine:
                                 fill_threads=cfg.mask_fill_threads or "auto")
         self.graphs = None
         if device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
-            from gpu_worker.cuda_graphs import DecodeGraphs
+            from gpu_worker.runtime.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, min(cfg.cuda_graph_max_batch, cfg.num_slots),
                                        scratch_slot=cfg.num_slots)

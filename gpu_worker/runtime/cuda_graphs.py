@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpu_worker.model import ForwardBatch
+from gpu_worker.runtime.model import ForwardBatch
 
 
 class _Graph:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gpu_worker.model import Transformer
-from gpu_worker.model_config import ModelConfig
-from gpu_worker.parallel import TensorSlice, TPGroup
+from gpu_worker.runtime.model import Transformer
+from gpu_worker.runtime.model_config import ModelConfig
+from gpu_worker.runtime.parallel import TensorSlice, TPGroup
 
 log = logging.getLogger(__name__)
 

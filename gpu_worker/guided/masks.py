@@ -14,7 +14,7 @@ import time
 import torch
 import xgrammar as xgr
 
-from gpu_worker.mask_kernel import apply_token_bitmask_
+from gpu_worker.guided.mask_kernel import apply_token_bitmask_
 
 # Below this many guided rows a plain loop beats handing the batch to xgrammar's threads.
 _BATCH_FILL_MIN_ROWS = 8

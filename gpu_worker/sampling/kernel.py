@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_worker.sampling.noise import row_keys
+
 _BLOCK = 4096
 
 
@@ -64,8 +66,6 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.T
     score = torch.empty((n_rows, n_blocks), dtype=torch.float32, device=logits.device)
     index = torch.empty((n_rows, n_blocks), dtype=torch.int64, device=logits.device)
     if n_rows:
-        from gpu_worker.sampling import row_keys
-
         _gumbel_argmax_kernel[(n_rows, n_blocks)](
             logits, logits.stride(0), n_cols, row_keys(seed, step).contiguous(),
             temperature.contiguous(), score, index, n_blocks, BLOCK=_BLOCK, num_warps=8)

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry
 
-from gpu_worker import engine as eng
 from gpu_worker.config import WorkerConfig
-from gpu_worker.control import ControlChannel
-from gpu_worker.grammar_cache import WorkerGrammarCache
-from gpu_worker.loader import load_model
+from gpu_worker.control import engine as eng
+from gpu_worker.control.lockstep import ControlChannel
+from gpu_worker.control.slots import NoFreeSlot, SlotBusy, SlotTable, UnknownRequest
+from gpu_worker.guided.grammar_cache import WorkerGrammarCache
 from gpu_worker.metrics import WorkerMetrics
-from gpu_worker.parallel import init_distributed
-from gpu_worker.slots import NoFreeSlot, SlotBusy, SlotTable, UnknownRequest
+from gpu_worker.runtime.loader import load_model
+from gpu_worker.runtime.parallel import init_distributed
 from grammar_service.default_model import resolve_model
 from grammar_service.vocab import Vocab, load_vocab
 from protos import common_pb2, worker_pb2, worker_pb2_grpc

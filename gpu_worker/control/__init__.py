@@ -1,0 +1,1 @@
+"""The rank's control plane: slot table, lockstep channel, step loop, Worker service."""

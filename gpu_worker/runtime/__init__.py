@@ -1,0 +1,1 @@
+"""The model runtime: config, tensor-parallel layers, decoder, loader, CUDA graphs, attention."""
