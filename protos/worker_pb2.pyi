@@ -19,59 +19,87 @@ SLOT_STATE_PENDING: SlotState
 SLOT_STATE_PREFILL: SlotState
 SLOT_STATE_DECODE: SlotState
 
+class SessionRequest(_message.Message):
+    __slots__ = ("admit", "release")
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    admit: AdmitRequest
+    release: ReleaseRequest
+    def __init__(self, admit: _Optional[_Union[AdmitRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
+
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "slot", "prompt_token_ids", "sampling", "grammar_key", "grammar")
+    __slots__ = ("request_id", "slot", "prompt_token_ids", "sampling", "grammar_key", "grammar", "tag")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_KEY_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     slot: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     grammar_key: str
     grammar: _common_pb2.GrammarSpec
-    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., grammar_key: _Optional[str] = ..., grammar: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ...) -> None: ...
+    tag: int
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., grammar_key: _Optional[str] = ..., grammar: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ..., tag: _Optional[int] = ...) -> None: ...
 
-class AdmitEvent(_message.Message):
-    __slots__ = ("admitted", "tokens", "finished")
+class SessionEvent(_message.Message):
+    __slots__ = ("admitted", "step")
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    admitted: Admitted
-    tokens: Tokens
-    finished: Finished
-    def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    admitted: AdmitResult
+    step: StepUpdate
+    def __init__(self, admitted: _Optional[_Union[AdmitResult, _Mapping]] = ..., step: _Optional[_Union[StepUpdate, _Mapping]] = ...) -> None: ...
 
-class Admitted(_message.Message):
-    __slots__ = ("slot", "rank")
+class AdmitResult(_message.Message):
+    __slots__ = ("tag", "code", "message", "slot", "rank")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    code: int
+    message: str
     slot: int
     rank: int
-    def __init__(self, slot: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., slot: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
-class Tokens(_message.Message):
-    __slots__ = ("token_ids",)
+class StepUpdate(_message.Message):
+    __slots__ = ("step", "rows")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rows: _containers.RepeatedCompositeFieldContainer[RowUpdate]
+    def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowUpdate, _Mapping]]] = ...) -> None: ...
+
+class RowUpdate(_message.Message):
+    __slots__ = ("tag", "token_ids", "finished")
+    TAG_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    tag: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    finished: Finished
+    def __init__(self, tag: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("reason", "message", "usage", "start_seconds", "first_token_seconds")
+    __slots__ = ("reason", "message", "usage", "start_seconds", "first_token_seconds", "code")
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     START_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     reason: _common_pb2.FinishReason
     message: str
     usage: _common_pb2.Usage
     start_seconds: float
     first_token_seconds: float
-    def __init__(self, reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., start_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ...) -> None: ...
+    code: int
+    def __init__(self, reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., message: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., start_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., code: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("slot", "request_id")

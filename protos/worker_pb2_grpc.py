@@ -34,10 +34,10 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Admit = channel.unary_stream(
-                '/gramserve.v1.Worker/Admit',
-                request_serializer=protos_dot_worker__pb2.AdmitRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.AdmitEvent.FromString,
+        self.Session = channel.stream_stream(
+                '/gramserve.v1.Worker/Session',
+                request_serializer=protos_dot_worker__pb2.SessionRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.SessionEvent.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/gramserve.v1.Worker/Release',
@@ -54,16 +54,14 @@ class WorkerStub:
 class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Admit(self, request, context):
-        """Admit a request into a slot.
-        Rank 0 (slot = -1): allocates a free slot (RESOURCE_EXHAUSTED when none), sends
-        `admitted` first, then the request's token events, then `finished`. Cancelling the
-        stream releases the slot on every rank.
-        Other ranks (slot = the one rank 0 chose): register the request, send `admitted`, and
-        end the stream. The request starts when every rank holds its Admit; one that never
-        reaches every rank expires.
-        FAILED_PRECONDITION: the slot is busy, the grammar's vocabulary does not match the
-        model, or this is rank 0 and a slot was named. INVALID_ARGUMENT: bad field (named).
+    def Session(self, request_iterator, context):
+        """The transport of every request: one long-lived stream between a gateway and this rank,
+        whatever the number of requests. The gateway sends admissions and releases; the rank
+        answers each admission with one AdmitResult, and rank 0 sends one StepUpdate per engine
+        step that produced output for this stream's requests: every row's new tokens and
+        finishes in one message. Other ranks send only AdmitResults (their tokens are rank 0's,
+        by I3). When the stream ends (the gateway went away), the rank releases every request
+        this stream admitted, on every rank (any rank's release wins).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,10 +85,10 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Admit': grpc.unary_stream_rpc_method_handler(
-                    servicer.Admit,
-                    request_deserializer=protos_dot_worker__pb2.AdmitRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.AdmitEvent.SerializeToString,
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=protos_dot_worker__pb2.SessionRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.SessionEvent.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -114,7 +112,7 @@ class Worker:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Admit(request,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -124,12 +122,12 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/gramserve.v1.Worker/Admit',
-            protos_dot_worker__pb2.AdmitRequest.SerializeToString,
-            protos_dot_worker__pb2.AdmitEvent.FromString,
+            '/gramserve.v1.Worker/Session',
+            protos_dot_worker__pb2.SessionRequest.SerializeToString,
+            protos_dot_worker__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
             insecure,

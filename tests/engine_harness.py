@@ -4,7 +4,6 @@ driven step by step (no gRPC, no threads), for tests that need many requests qui
 from __future__ import annotations
 
 import os
-import queue
 from collections import deque
 from dataclasses import dataclass
 
@@ -41,12 +40,13 @@ class EngineHarness:
         model = load_model(model_dir, tp, torch.float32, device)
         model.allocate_kv_cache(slots + 1, max_model_len)
         self.table = SlotTable(slots, is_rank0=True, admit_timeout_s=600)
+        self._outputs: list = []
         self.engine = Engine(
             EngineConfig(num_slots=slots, max_model_len=max_model_len, step_tokens=step_tokens,
                          idle_poll_s=0.0, cuda_graph_max_batch=slots),
             model, self.table, ControlChannel(None, 1), vocab_size=self.vocab.vocab_size,
             model_vocab_size=model.config.vocab_size, eos_token_ids=self.vocab.eos_token_ids,
-            device=device)
+            device=device, publish=self._outputs.extend)
 
     def run(self, requests: list[Request], release_after: dict[str, int] | None = None,
             max_steps: int = 100_000) -> dict[str, Outcome]:
@@ -61,20 +61,20 @@ class EngineHarness:
         for _ in range(max_steps):
             while todo and self.table.in_use() < self.table.num_slots:
                 req = todo.popleft()
-                req.events = queue.Queue()
                 entry = self.table.allocate(req.request_id, req)
                 live[req.request_id] = (req, entry, [])
             if not live:
                 return out
             self.engine.step()
-            for rid, (req, entry, toks) in list(live.items()):
-                while not req.events.empty():
-                    ev = req.events.get()
-                    if ev[0] == "tokens":
-                        toks.extend(ev[1])
-                        if rid in release_after and len(toks) >= release_after.pop(rid):
-                            self.table.request_release(entry.slot, rid)
-                    else:
-                        out[rid] = Outcome(toks, ev[1], ev[2], entry.slot)
-                        del live[rid]
+            outputs, self._outputs[:] = list(self._outputs), []
+            for o in outputs:
+                rid = o.req.request_id
+                req, entry, toks = live[rid]
+                toks.extend(o.tokens)
+                if rid in release_after and len(toks) >= release_after[rid] and o.finish is None:
+                    release_after.pop(rid)
+                    self.table.request_release(entry.slot, rid)
+                if o.finish is not None:
+                    out[rid] = Outcome(toks, o.finish.reason, o.finish.message, entry.slot)
+                    del live[rid]
         raise AssertionError("requests did not finish")

@@ -11,7 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from constraints import constraint_mix, is_valid
-from worker_procs import GroupClient, compile_spec, metric, start_grammar_service, start_group
+from worker_procs import (
+    AdmitError,
+    GroupClient,
+    compile_spec,
+    metric,
+    start_grammar_service,
+    start_group,
+)
 
 from grammar_service.default_model import ensure_default_model
 from grammar_service.vocab import load_vocab
@@ -37,6 +44,7 @@ def system(tmp_path_factory):
                 keys[i] = compile_spec(gaddr, kind, arg)
         yield {"model_dir": model_dir, "vocab": load_vocab(model_dir), "grammar": gaddr,
                "tp2": GroupClient(addrs2), "tp2_metrics": metrics2, "tp2_proc": g2,
+               "tp2_addrs": addrs2,
                "tp1": GroupClient(addrs1), "tp1_metrics": metrics1, "keys": keys, "root": root}
     finally:
         for p in reversed(procs):
@@ -121,48 +129,48 @@ def test_slot_reuse_300_requests_cycling_constraints(system):
     wait_idle(system["tp2_metrics"])
 
 
-def _admit_rank0(client, rid, prompt, **sampling):
+def _admit(client, rid, prompt, **sampling):
+    """Admit on every rank; return (request, rank 0's tag, slot)."""
     req = worker_pb2.AdmitRequest(request_id=rid, slot=-1, prompt_token_ids=prompt,
                                   sampling=common_pb2.SamplingParams(**sampling))
-    stream = client.stubs[0].Admit(req, timeout=60)
-    return req, stream, next(stream).admitted.slot
+    tag, slot = client.admit_all(req, timeout=60)
+    return req, tag, slot
+
+
+def _refused(session, req) -> AdmitError:
+    with pytest.raises(AdmitError) as err:
+        session.admit(req, timeout=10)
+    return err.value
 
 
 def test_lifecycle_errors_leak_nothing(system):
     c, v = system["tp2"], system["vocab"]
+    rank0, rank1 = c.sessions
     # Too-long prompt.
-    with pytest.raises(grpc.RpcError) as err:
-        list(c.stubs[0].Admit(worker_pb2.AdmitRequest(
-            request_id="long", slot=-1, prompt_token_ids=[5] * 300), timeout=10))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "prompt_token_ids" in err.value.details()
+    err = _refused(rank0, worker_pb2.AdmitRequest(request_id="long", slot=-1,
+                                                  prompt_token_ids=[5] * 300))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_token_ids" in err.details
     # Rank 0 does not take a slot number.
-    with pytest.raises(grpc.RpcError) as err:
-        list(c.stubs[0].Admit(worker_pb2.AdmitRequest(
-            request_id="x", slot=2, prompt_token_ids=[5]), timeout=10))
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    err = _refused(rank0, worker_pb2.AdmitRequest(request_id="x", slot=2, prompt_token_ids=[5]))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
     # Admit to a busy slot, stale and double Release, Release during prefill.
-    req, stream, slot = _admit_rank0(c, "busy", v.encode("hello"), max_tokens=200,
-                                     ignore_eos=True)
-    list(c.stubs[1].Admit(GroupClient._with_slot(req, slot), timeout=10))
-    next(stream)  # it runs
+    req, tag, slot = _admit(c, "busy", v.encode("hello"), max_tokens=200, ignore_eos=True)
+    rank0.wait_tokens(tag, 1)  # it runs
     intruder = worker_pb2.AdmitRequest(request_id="intruder", slot=slot, prompt_token_ids=[5])
-    with pytest.raises(grpc.RpcError) as err:
-        list(c.stubs[1].Admit(intruder, timeout=10))
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    with pytest.raises(grpc.RpcError) as err:
+    assert _refused(rank1, intruder).code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as rpc_err:
         c.stubs[1].Release(worker_pb2.ReleaseRequest(slot=slot, request_id="stale"), timeout=10)
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert rpc_err.value.code() == grpc.StatusCode.NOT_FOUND
     assert c.stubs[1].Release(worker_pb2.ReleaseRequest(slot=slot, request_id="busy")).was_running
-    finished = [e for e in stream if e.HasField("finished")]
-    assert finished[0].finished.reason == common_pb2.FINISH_REASON_CANCELLED
-    with pytest.raises(grpc.RpcError) as err:
+    _, finished = rank0.finished(tag)
+    assert finished.reason == common_pb2.FINISH_REASON_CANCELLED
+    with pytest.raises(grpc.RpcError) as rpc_err:
         c.stubs[0].Release(worker_pb2.ReleaseRequest(slot=slot, request_id="busy"), timeout=10)
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert rpc_err.value.code() == grpc.StatusCode.NOT_FOUND
     # Release while the prompt is still being prefilled (a long prompt, released at once).
-    req, stream, slot = _admit_rank0(c, "prefill", v.encode("word " * 60), max_tokens=5)
-    assert len(req.prompt_token_ids) > 3 * 32  # several steps of prefill at --step-tokens 32
-    list(c.stubs[1].Admit(GroupClient._with_slot(req, slot), timeout=10))
+    prompt = v.encode("word " * 60)
+    assert len(prompt) > 3 * 32  # several steps of prefill at --step-tokens 32
+    req, tag, slot = _admit(c, "prefill", prompt, max_tokens=5)
     deadline = time.monotonic() + 10
     while c.stubs[0].Info(worker_pb2.InfoRequest()).slots[slot].state != \
             worker_pb2.SLOT_STATE_PREFILL:
@@ -170,13 +178,59 @@ def test_lifecycle_errors_leak_nothing(system):
         time.sleep(0.002)
     assert c.stubs[0].Release(worker_pb2.ReleaseRequest(slot=slot, request_id="prefill"),
                               timeout=10).was_running
-    events = list(stream)
-    assert events[-1].finished.reason == common_pb2.FINISH_REASON_CANCELLED
-    assert not any(e.HasField("tokens") for e in events)
+    tokens, finished = rank0.finished(tag)
+    assert finished.reason == common_pb2.FINISH_REASON_CANCELLED and not tokens
     # An allocation whose Admit never reaches rank 1 expires (admit timeout 10 s by default):
-    # cancelling the rank-0 stream frees it at once instead.
-    req, stream, slot = _admit_rank0(c, "orphan", v.encode("hi"))
-    stream.cancel()
+    # closing the gateway's session on rank 0 frees it at once instead.
+    orphan_client = GroupClient(system["tp2_addrs"])
+    orphan_client.sessions[0].admit(worker_pb2.AdmitRequest(
+        request_id="orphan", slot=-1, prompt_token_ids=v.encode("hi")), timeout=10)
+    orphan_client.close()
+    wait_idle(system["tp2_metrics"])
+
+
+def test_health_and_info_answer_while_every_slot_streams(system):
+    """The transport holds no server thread per request: with every slot of the group busy
+    and more admissions queued behind them, health and Info answer at once."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    c, v = system["tp2"], system["vocab"]
+    held = [_admit(c, f"hold-{i}", v.encode(f"hold {i}"), max_tokens=60, ignore_eos=True)
+            for i in range(4)]
+    try:
+        for ch in c.channels:
+            t0 = time.monotonic()
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=1.0)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            assert time.monotonic() - t0 < 1.0
+        info = c.stubs[0].Info(worker_pb2.InfoRequest(), timeout=1.0)
+        assert sum(s.state != worker_pb2.SLOT_STATE_FREE for s in info.slots) == 4
+    finally:
+        for req, _, slot in held:
+            c.release_all(slot, req.request_id)
+    wait_idle(system["tp2_metrics"])
+
+
+def test_one_update_per_step_from_rank0_only(system):
+    """Message count on the wire: rank 0 sends one StepUpdate per step for all of a session's
+    rows, whatever the number of running requests; followers send none."""
+    v = system["vocab"]
+    client = GroupClient(system["tp2_addrs"])
+    try:
+        reqs = [_admit(client, f"count-{i}", v.encode(f"count {i}"), max_tokens=20,
+                       ignore_eos=True, temperature=0.0) for i in range(4)]
+        results = [client.sessions[0].finished(tag) for _, tag, _ in reqs]
+        assert all(len(toks) == 20 for toks, _ in results)
+        # 4 requests x 20 tokens = 80 rows; they ran together, so far fewer messages than
+        # rows (one per step) and at most one message per step of the longest request
+        # plus the steps in which the later admissions were still starting.
+        updates = client.sessions[0].updates
+        rows = sum(len(r) for r in client.sessions[0].rows.values())
+        assert rows >= 80 and updates <= 20 + 8, (updates, rows)
+        assert client.sessions[1].updates == 0
+    finally:
+        client.close()
     wait_idle(system["tp2_metrics"])
 
 
@@ -200,16 +254,16 @@ def test_killed_rank_makes_its_peer_exit_in_bounded_time(system):
     try:
         wait_serving(addrs, ranks)
         v = system["vocab"]
-        req, stream, slot = _admit_rank0(client, "victim", v.encode("hello"), max_tokens=250,
-                                         ignore_eos=True)
-        list(client.stubs[1].Admit(GroupClient._with_slot(req, slot), timeout=10))
-        next(stream)
+        req, tag, slot = _admit(client, "victim", v.encode("hello"), max_tokens=250,
+                                ignore_eos=True)
+        client.sessions[0].wait_tokens(tag, 1)
         os.kill(ranks[1].popen.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(grpc.RpcError) as err:
-            for _ in stream:
-                pass
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        try:
+            _, finished = client.sessions[0].finished(tag, timeout=30)
+            assert finished.code == grpc.StatusCode.UNAVAILABLE.value[0], finished
+        except grpc.RpcError as exc:  # or the stream broke as rank 0 exited
+            assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         ranks[0].popen.wait(timeout=30)
         assert ranks[0].popen.returncode != 0
         assert time.monotonic() - t0 < 30

@@ -1,12 +1,15 @@
 """Real worker processes for tests: a grammar service and TP groups on loopback, and a client
-that drives a group the way the gateway does (Admit on rank 0, the same Admit with the slot
-on the other ranks, Release to every rank at the end)."""
+that drives a group the way the gateway does (one Session stream per rank: Admit on rank 0,
+the same Admit with the slot on the other ranks, Release to every rank at the end)."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -57,46 +60,140 @@ def compile_spec(grammar_addr: str, kind: str, arg) -> tuple[str, common_pb2.Gra
     return ref.key, spec
 
 
+class AdmitError(Exception):
+    """An AdmitResult with a non-OK code."""
+
+    def __init__(self, result: worker_pb2.AdmitResult):
+        self.code = _CODES[result.code]
+        self.details = result.message
+        super().__init__(f"{self.code.name}: {result.message}")
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class RankSession:
+    """A synchronous Session stream to one rank, as the gateway keeps one (tests only)."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub):
+        self._q: queue.Queue = queue.Queue()
+        self._call = stub.Session(iter(self._q.get, None), wait_for_ready=True)
+        self._cond = threading.Condition()
+        self._results: dict[int, worker_pb2.AdmitResult] = {}
+        self.rows: dict[int, list[worker_pb2.RowUpdate]] = collections.defaultdict(list)
+        self.updates = 0  # StepUpdate messages received
+        self.error: grpc.RpcError | None = None
+        self._tags = itertools.count(1)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for ev in self._call:
+                with self._cond:
+                    if ev.HasField("admitted"):
+                        self._results[ev.admitted.tag] = ev.admitted
+                    else:
+                        self.updates += 1
+                        for row in ev.step.rows:
+                            self.rows[row.tag].append(row)
+                    self._cond.notify_all()
+        except grpc.RpcError as exc:
+            with self._cond:
+                self.error = exc
+                self._cond.notify_all()
+
+    def admit(self, req: worker_pb2.AdmitRequest, timeout: float = 60.0) -> tuple[int, int]:
+        """Send an admission; return (tag, slot) or raise AdmitError."""
+        msg = worker_pb2.AdmitRequest()
+        msg.CopyFrom(req)
+        msg.tag = next(self._tags)
+        self._q.put(worker_pb2.SessionRequest(admit=msg))
+        result = self._wait(lambda: self._results.get(msg.tag), timeout)
+        if result.code != 0:
+            raise AdmitError(result)
+        return msg.tag, result.slot
+
+    def release(self, slot: int, request_id: str) -> None:
+        self._q.put(worker_pb2.SessionRequest(
+            release=worker_pb2.ReleaseRequest(slot=slot, request_id=request_id)))
+
+    def finished(self, tag: int, timeout: float = 120.0) -> tuple[list[int], worker_pb2.Finished]:
+        """Wait for the request's last row; return (tokens, Finished)."""
+        def done():
+            rows = self.rows.get(tag, [])
+            return rows if rows and rows[-1].HasField("finished") else None
+        rows = self._wait(done, timeout)
+        return [t for r in rows for t in r.token_ids], rows[-1].finished
+
+    def tokens(self, tag: int) -> list[int]:
+        with self._cond:
+            return [t for r in self.rows.get(tag, []) for t in r.token_ids]
+
+    def wait_tokens(self, tag: int, n: int, timeout: float = 60.0) -> None:
+        self._wait(lambda: len([t for r in self.rows.get(tag, []) for t in r.token_ids]) >= n
+                   or None, timeout)
+
+    def _wait(self, ready, timeout: float):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                value = ready()
+                if value is not None:
+                    return value
+                if self.error is not None:
+                    raise self.error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no answer from the rank")
+                self._cond.wait(left)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._call.cancel()
+
+
 class GroupClient:
-    """Drives one TP group like the gateway does."""
+    """Drives one TP group like the gateway does: one Session per rank."""
 
     def __init__(self, addrs: list[str]):
         self.channels = [channel(a) for a in addrs]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
-        self.pool = ThreadPoolExecutor(8)
+        self.sessions = [RankSession(s) for s in self.stubs]
 
     def close(self):
+        for s in self.sessions:
+            s.close()
         for c in self.channels:
             c.close()
+
+    def admit_all(self, req: worker_pb2.AdmitRequest, timeout: float = 120.0) -> tuple[int, int]:
+        """Admit on rank 0 (waiting while every slot is busy), then on every other rank with
+        rank 0's slot; return (rank 0's tag, slot)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                tag, slot = self.sessions[0].admit(req, timeout)
+                break
+            except AdmitError as exc:
+                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        try:
+            for s in self.sessions[1:]:
+                s.admit(self._with_slot(req, slot), timeout)
+        except BaseException:
+            self.release_all(slot, req.request_id)
+            raise
+        return tag, slot
 
     def generate(self, request_id: str, prompt: list[int], timeout: float = 120.0,
                  key: str = "", spec=None, **sampling) -> tuple[list[int], worker_pb2.Finished]:
         req = worker_pb2.AdmitRequest(request_id=request_id, slot=-1, prompt_token_ids=prompt,
                                       sampling=common_pb2.SamplingParams(**sampling),
                                       grammar_key=key, grammar=spec)
-        deadline = time.monotonic() + timeout
-        while True:  # all slots busy: wait like the gateway's queue does
-            stream = self.stubs[0].Admit(req, timeout=timeout)
-            try:
-                slot = next(stream).admitted.slot
-                break
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+        tag, slot = self.admit_all(req, timeout)
         try:
-            others = [self.pool.submit(lambda s: list(s.Admit(self._with_slot(req, slot),
-                                                               timeout=timeout)), stub)
-                      for stub in self.stubs[1:]]
-            for f in others:
-                f.result()
-            tokens = []
-            for ev in stream:
-                if ev.HasField("tokens"):
-                    tokens.extend(ev.tokens.token_ids)
-                elif ev.HasField("finished"):
-                    return tokens, ev.finished
-            raise AssertionError("stream ended without finished")
+            return self.sessions[0].finished(tag, timeout)
         finally:
             self.release_all(slot, request_id)
 
@@ -108,10 +205,5 @@ class GroupClient:
         return r
 
     def release_all(self, slot: int, request_id: str) -> None:
-        for stub in self.stubs:
-            try:
-                stub.Release(worker_pb2.ReleaseRequest(slot=slot, request_id=request_id),
-                             timeout=10)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
+        for s in self.sessions:
+            s.release(slot, request_id)

@@ -12,13 +12,13 @@ One step, identical on every rank:
   6. optional all-reduce of the sampled ids (divergence check), then each rank accepts the
      token into its own matcher (I1), dead ends fail one request (I6), finished slots are
      freed with every piece of their state dropped (I5).
-The engine imports neither grpc nor protos: the server translates its events.
+The engine imports neither grpc nor protos: it hands each step's typed outputs (RowOutput,
+Finish) to `publish`, and the server translates them.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -38,11 +38,14 @@ log = logging.getLogger(__name__)
 # Finish reasons, as plain strings (the server maps them to protos.FinishReason).
 STOP, LENGTH, GRAMMAR_COMPLETED, CANCELLED = "stop", "length", "grammar_completed", "cancelled"
 DEAD_END, DIVERGENCE, INTERNAL, UNAVAILABLE = "dead_end", "divergence", "internal", "unavailable"
+# gRPC's UNAVAILABLE as a number (the engine imports no grpc): a rank of the group failed.
+_UNAVAILABLE_CODE = 14
 
 
 @dataclass
 class Request:
-    """A validated Admit, as the engine runs it. `events` is set on rank 0 only."""
+    """A validated Admit, as the engine runs it. `session` and `tag` are set on rank 0 only:
+    they say where the request's output goes."""
 
     request_id: str
     prompt: list[int]
@@ -57,7 +60,8 @@ class Request:
     min_tokens: int = 0
     grammar: object | None = None      # a GrammarHandle pinned in the worker's grammar cache
     matcher: object | None = None      # this rank's own xgrammar.GrammarMatcher (I1)
-    events: queue.Queue | None = None
+    session: object | None = None
+    tag: int = 0
     admitted_at: float = field(default_factory=time.monotonic)
     release_grammar: Callable[[object], None] | None = None
 
@@ -68,9 +72,27 @@ class Request:
         if handle is not None and self.release_grammar is not None:
             self.release_grammar(handle)
 
-    def emit(self, *event) -> None:
-        if self.events is not None:
-            self.events.put(event)
+
+@dataclass(frozen=True)
+class Finish:
+    """How a request ended. `code` is a gRPC status number for failures of the group (a rank
+    failed, an admission expired), 0 otherwise."""
+
+    reason: str
+    message: str = ""
+    completion_tokens: int = 0
+    start_seconds: float = 0.0
+    first_token_seconds: float = 0.0
+    code: int = 0
+
+
+@dataclass
+class RowOutput:
+    """What one request produced in one step: new tokens and, on its last step, its Finish."""
+
+    req: Request
+    tokens: list[int] = field(default_factory=list)
+    finish: Finish | None = None
 
 
 @dataclass
@@ -122,11 +144,17 @@ class EngineConfig:
 
 
 class Engine:
-    """Runs the step loop of one rank on its own thread."""
+    """Runs the step loop of one rank on its own thread.
+
+    `publish(outputs)` (rank 0) receives, once per step, every request's RowOutput of that
+    step; it runs on the engine thread and must only hand the list on.
+    """
 
     def __init__(self, cfg: EngineConfig, model, table: SlotTable, control: ControlChannel, *,
                  vocab_size: int, model_vocab_size: int, eos_token_ids: tuple[int, ...],
-                 device: torch.device, metrics=None, on_fatal: Callable[[BaseException], None] | None = None):
+                 device: torch.device, metrics=None,
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 publish: Callable[[list[RowOutput]], None] | None = None):
         self.cfg = cfg
         self.model = model
         self.table = table
@@ -137,10 +165,14 @@ class Engine:
         self.device = device
         self.metrics = metrics
         self.on_fatal = on_fatal
+        self.publish = publish
         self.runs: dict[int, Run] = {}
         self.step_index = 0
+        self._outputs: dict[int, RowOutput] = {}  # id(request) -> this step's output
         self.masks = MaskFiller(cfg.num_slots, model_vocab_size, device,
                                 fill_threads=cfg.mask_fill_threads or "auto")
+        # One bitmask row on the host for the "can the grammar only end here?" check.
+        self._end_row = torch.empty((1, self.masks.width), dtype=torch.int32)
         self.graphs = None
         if device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
             from gpu_worker.runtime.cuda_graphs import DecodeGraphs
@@ -173,15 +205,29 @@ class Engine:
             log.error("engine stopped: %s", exc, exc_info=not isinstance(exc, RuntimeError))
             self.table.abort_step()
             self._fail_all(UNAVAILABLE, f"worker rank failed: {exc}")
+            self._flush()
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 
-    # ---- one step --------------------------------------------------------------------------
+    # ---- one step: lockstep, plan, execute, commit, publish ---------------------------------
 
     def step(self) -> None:
         """Run one lockstep step (blocks briefly when idle)."""
         if not self.runs:
             self.table.wait_for_change(self.cfg.idle_poll_s)
+        self._lockstep()
+        if self.runs:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                seqs = self._plan()
+                logits = self._execute(seqs)
+                t = {"forward": time.perf_counter() - t0}
+                self._commit(seqs, logits, t)
+                self._record(seqs, t, time.perf_counter() - t0)
+        self._flush()
+
+    def _lockstep(self) -> None:
+        """The control all-reduce: starts and releases take effect here on every rank (I2)."""
         try:
             reduced = self.control.all_reduce_max(self.table.local_vector())
         except BaseException:
@@ -194,11 +240,8 @@ class Engine:
             self.runs[entry.slot] = Run(entry, entry.payload, self.step_index)
         self.step_index += 1
         self._update_gauges()
-        if self.runs:
-            with torch.inference_mode():
-                self._run_batch()
 
-    def _schedule(self) -> list[Seq]:
+    def _plan(self) -> list[Seq]:
         """The sequences of this step; the same result on every rank."""
         decode = [r for r in self.runs.values() if r.prefilled == len(r.req.prompt)]
         prefill = sorted((r for r in self.runs.values() if r.prefilled < len(r.req.prompt)),
@@ -215,16 +258,13 @@ class Engine:
             budget -= n
         return seqs
 
-    def _run_batch(self) -> None:
-        t0 = time.perf_counter()
-        seqs = self._schedule()
-        sampling = [i for i, s in enumerate(seqs) if s.samples]
-        rows = [seqs[i].run for i in sampling]
-        guided = [j for j, r in enumerate(rows) if r.req.matcher is not None]
-        fresh = [rows[j] for j in guided if rows[j].mask_fill is None]
-        if fresh:  # rows sampling for the first time: fill them while the forward runs
+    def _execute(self, seqs: list[Seq]) -> torch.Tensor:
+        """The forward of the step: (S, V) fp32 logits, one row per sequence. Rows that sample
+        for the first time get their mask fill submitted first, so it runs meanwhile."""
+        fresh = [s.run for s in seqs if s.samples and s.run.req.matcher is not None
+                 and s.run.mask_fill is None]
+        if fresh:
             self._submit_fill(fresh)
-        fill = [rows[j].mask_fill for j in guided]
         slots, starts = [s.run.slot for s in seqs], [s.run.kv_len for s in seqs]
         if self.graphs is not None and not any(s.prefill for s in seqs) and \
                 self.graphs.fits(len(seqs)):
@@ -235,12 +275,15 @@ class Engine:
         for s in seqs:
             if s.prefill:
                 s.run.prefilled += len(s.tokens)
-        t = {"forward": time.perf_counter() - t0}
-        if rows:
-            self._sample_rows(logits, sampling, rows, guided, fill, t)
-        self._record(seqs, t, time.perf_counter() - t0)
+        return logits
 
-    def _sample_rows(self, logits, sampling, rows, guided, fill, t) -> None:
+    def _commit(self, seqs: list[Seq], logits: torch.Tensor, t: dict[str, float]) -> None:
+        """Mask, sample, check divergence, accept into each rank's own matcher, finish."""
+        sampling = [i for i, s in enumerate(seqs) if s.samples]
+        rows = [seqs[i].run for i in sampling]
+        if not rows:
+            return
+        guided = [j for j, r in enumerate(rows) if r.req.matcher is not None]
         if len(rows) < logits.shape[0]:
             logits = logits[torch.tensor(sampling, device=logits.device)]
         logits = logits.contiguous()                                    # (R, V)
@@ -249,7 +292,7 @@ class Engine:
         t_wait = time.perf_counter()
         # The fill thread runs jobs in order, so a row's newest fill finishes last: waiting for
         # every row's future means every guided row holds its matcher's current mask.
-        t["mask_fill"] = sum(f.result() for f in dict.fromkeys(fill))
+        t["mask_fill"] = sum(f.result() for f in dict.fromkeys(rows[j].mask_fill for j in guided))
         t_mask = time.perf_counter()
         t["mask_fill_exposed"] = t_mask - t_wait
         if guided:
@@ -260,24 +303,22 @@ class Engine:
         t_sample = time.perf_counter()
         t["mask_apply"] = t_sample - t_mask
         tokens, dead = sample(logits, self._sampling_batch(rows))
-        tokens, dead = tokens.tolist(), dead.tolist()
+        # One device-to-host copy per step: a dead row reads as -1.
+        picked = torch.where(dead, -1, tokens).tolist()
         diverged: set[int] = set()
         every = self.cfg.divergence_check_every
         if every and self.control.size > 1 and self.step_index % every == 0:
             # A dead row is sent as -1, so a dead row on one rank never matches a real
             # token 0 on another.
-            diverged = set(diverged_rows([-1 if d else tok for tok, d in zip(tokens, dead,
-                                                                             strict=True)],
-                                         self.control))
+            diverged = set(diverged_rows(picked, self.control))
             if diverged and self.metrics is not None:
                 self.metrics.tp_divergence.inc()
         t["sample"] = time.perf_counter() - t_sample
         for j, r in enumerate(rows):
-            self._advance(r, tokens[j], dead[j], j in diverged)
-        # Start the next step's fills now, while this step's results are emitted and the
-        # next step is scheduled and launched.
-        ahead = [rows[j] for j in guided if rows[j].slot in self.runs
-                 and self.runs[rows[j].slot] is rows[j]]
+            self._advance(r, picked[j], j in diverged)
+        # Start the next step's fills now, while this step's results are published and the
+        # next step is planned and launched.
+        ahead = [rows[j] for j in guided if self.runs.get(rows[j].slot) is rows[j]]
         if ahead:
             self._submit_fill(ahead)
 
@@ -291,12 +332,13 @@ class Engine:
         for r in runs:
             r.mask_fill = future
 
-    def _advance(self, r: Run, token: int, dead: bool, diverged: bool) -> None:
+    def _advance(self, r: Run, token: int, diverged: bool) -> None:
+        """Take row r's sampled token (-1: the row had no allowed token)."""
         req = r.req
         if diverged:
             log.error("TP divergence on slot %d (request %s)", r.slot, req.request_id)
             return self._finish(r, DIVERGENCE, "ranks sampled different tokens")
-        if dead:
+        if token < 0:
             if self.metrics is not None:
                 self.metrics.grammar_dead_ends.inc()
             return self._finish(r, DEAD_END, "the grammar allows no token here and is not complete")
@@ -311,28 +353,60 @@ class Engine:
             token in self.eos and (req.matcher is not None or not req.ignore_eos))
         if not ends:
             r.emitted += 1
-            req.emit("tokens", [token])
-        if req.matcher is not None and req.matcher.is_terminated():
+            self._output(req).tokens.append(token)
+        if req.matcher is not None and (req.matcher.is_terminated() or self._can_only_end(req)):
             return self._finish(r, GRAMMAR_COMPLETED)
         if ends:  # a guided row only samples a stop id where its grammar allows one
             return self._finish(r, STOP)
         if len(r.generated) >= req.max_tokens or r.kv_len + 1 >= self.cfg.max_model_len:
             return self._finish(r, LENGTH)
 
-    def _finish(self, r: Run, reason: str, message: str = "", table_done: bool = False) -> None:
+    def _can_only_end(self, req: Request) -> bool:
+        """The grammar is complete and allows no token but a stop token: the output is done,
+        and sampling once more could only pick the end. Checked only once complete."""
+        if not req.matcher.is_completed():
+            return False
+        row = self._end_row
+        req.matcher.fill_next_token_bitmask(row, 0)
+        bits = row[0].tolist()
+        for tok in self.eos | req.stop_token_ids | frozenset(req.matcher.stop_token_ids):
+            if tok < self.vocab_size:
+                bits[tok >> 5] &= ~(1 << (tok & 31))
+        full, rest = divmod(self.vocab_size, 32)
+        if rest:
+            bits[full] &= (1 << rest) - 1
+            full += 1
+        return not any(bits[:full])
+
+    def _output(self, req: Request) -> RowOutput:
+        out = self._outputs.get(id(req))
+        if out is None:
+            out = self._outputs[id(req)] = RowOutput(req)
+        return out
+
+    def _finish(self, r: Run, reason: str, message: str = "", table_done: bool = False,
+                code: int = 0) -> None:
         del self.runs[r.slot]
         if not table_done:
             self.table.finish(r.entry)
         r.req.close()
         if self.metrics is not None:
             self.metrics.releases.labels(reason=reason).inc()
-        r.req.emit("finished", reason, message, len(r.req.prompt), r.emitted,
-                   r.started_at - r.req.admitted_at,
-                   (r.first_token_at - r.req.admitted_at) if r.first_token_at else 0.0)
+        self._output(r.req).finish = Finish(
+            reason, message, r.emitted, r.started_at - r.req.admitted_at,
+            (r.first_token_at - r.req.admitted_at) if r.first_token_at else 0.0, code)
+
+    def _flush(self) -> None:
+        """Hand this step's outputs to `publish` (rank 0) in one call."""
+        if not self._outputs:
+            return
+        outputs, self._outputs = list(self._outputs.values()), {}
+        if self.publish is not None:
+            self.publish(outputs)
 
     def _fail_all(self, reason: str, message: str) -> None:
         for r in list(self.runs.values()):
-            self._finish(r, reason, message, table_done=True)
+            self._finish(r, reason, message, table_done=True, code=_UNAVAILABLE_CODE)
         for entry in self.table.drain():
             entry.payload.close()
 

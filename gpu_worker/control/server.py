@@ -13,15 +13,18 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
 from gpu_worker.config import WorkerConfig
 from gpu_worker.control import engine as eng
 from gpu_worker.control.lockstep import ControlChannel
-from gpu_worker.control.slots import NoFreeSlot, SlotBusy, SlotTable, UnknownRequest
+from gpu_worker.control.slots import Entry, NoFreeSlot, SlotBusy, SlotTable, UnknownRequest
 from gpu_worker.guided.grammar_cache import WorkerGrammarCache
 from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.runtime.loader import load_model
@@ -34,6 +37,7 @@ from protos.rpc import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    ServiceError,
     Unavailable,
     create_server,
     set_serving,
@@ -89,92 +93,153 @@ def request_from_proto(msg: worker_pb2.AdmitRequest, vocab: Vocab, max_model_len
     return eng.Request(
         request_id=msg.request_id, prompt=prompt, max_tokens=max_tokens,
         temperature=temperature, top_k=s.top_k, top_p=top_p, min_p=s.min_p,
-        seed=s.seed & ((1 << 63) - 1) if s.HasField("seed") else 0,
+        # The full uint64 seed, as the int64 of the same bits (the noise hash reads all 64).
+        seed=(s.seed - (1 << 64) if s.seed >= 1 << 63 else s.seed) if s.HasField("seed") else 0,
         stop_token_ids=frozenset(s.stop_token_ids), ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens)
 
 
-def finished_event(event: tuple) -> worker_pb2.AdmitEvent:
-    _, reason, message, prompt_tokens, completion, start_s, first_s = event
-    return worker_pb2.AdmitEvent(finished=worker_pb2.Finished(
-        reason=_FINISH[reason], message=message,
-        usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion),
-        start_seconds=start_s, first_token_seconds=first_s))
+def finished_proto(finish: eng.Finish, prompt_tokens: int) -> worker_pb2.Finished:
+    return worker_pb2.Finished(
+        reason=_FINISH.get(finish.reason, common_pb2.FINISH_REASON_ERROR_INTERNAL),
+        message=finish.message, code=finish.code,
+        usage=common_pb2.Usage(prompt_tokens=prompt_tokens,
+                               completion_tokens=finish.completion_tokens),
+        start_seconds=finish.start_seconds, first_token_seconds=finish.first_token_seconds)
+
+
+def step_update(step: int, outputs: list[eng.RowOutput]) -> worker_pb2.SessionEvent:
+    """One session's rows of one step, as the message rank 0 sends."""
+    rows = []
+    for out in outputs:
+        row = worker_pb2.RowUpdate(tag=out.req.tag, token_ids=out.tokens)
+        if out.finish is not None:
+            row.finished.CopyFrom(finished_proto(out.finish, len(out.req.prompt)))
+        rows.append(row)
+    return worker_pb2.SessionEvent(step=worker_pb2.StepUpdate(step=step, rows=rows))
+
+
+class Session:
+    """One gateway's Session stream on this rank: its outgoing queue and its live requests.
+
+    Engine outputs, admission results and drops are put on `out` from any thread; the
+    stream's handler thread turns them into messages, so the engine thread never builds a
+    protobuf. `live` holds the entries this session admitted, so that a vanished gateway's
+    requests are released.
+    """
+
+    _CLOSE = object()
+
+    def __init__(self, rank: Rank):
+        self.rank = rank
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.live: dict[int, object] = {}  # tag -> slots.Entry
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def events(self, context) -> Iterator[worker_pb2.SessionEvent]:
+        """The stream's outgoing messages until the session closes."""
+        while True:
+            try:
+                item = self.out.get(timeout=1.0)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if item is self._CLOSE:
+                return
+            if isinstance(item, tuple):  # (step, [RowOutput, ...]) from the engine
+                for out in item[1]:
+                    if out.finish is not None:
+                        with self.lock:
+                            self.live.pop(out.req.tag, None)
+                yield step_update(*item)
+            else:
+                yield item
+
+    def read(self, requests: Iterator[worker_pb2.SessionRequest]) -> None:
+        """Serve the incoming admissions and releases until the gateway closes its side."""
+        try:
+            for msg in requests:
+                if msg.HasField("admit"):
+                    self.rank.admit_pool.submit(self._admit, msg.admit)
+                elif msg.HasField("release"):
+                    try:
+                        self.rank.table.request_release(msg.release.slot, msg.release.request_id)
+                    except (IndexError, UnknownRequest):
+                        pass  # stale or double: the request is gone already
+        except grpc.RpcError:
+            pass  # the stream broke: the gateway is gone
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release every request this session still holds, on every rank, and end the stream."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            live, self.live = list(self.live.values()), {}
+        for entry in live:
+            try:
+                self.rank.table.request_release(entry.slot, entry.request_id)
+            except (IndexError, UnknownRequest):
+                pass
+        self.out.put(self._CLOSE)
+
+    def _admit(self, msg: worker_pb2.AdmitRequest) -> None:
+        r = self.rank
+        try:
+            entry = r.admit(msg, self)
+        except ServiceError as exc:
+            self.out.put(worker_pb2.SessionEvent(admitted=worker_pb2.AdmitResult(
+                tag=msg.tag, code=exc.code.value[0], message=str(exc), rank=r.cfg.rank)))
+            return
+        except Exception as exc:  # a bug: the request fails, the rank goes on
+            log.exception("admit failed")
+            self.out.put(worker_pb2.SessionEvent(admitted=worker_pb2.AdmitResult(
+                tag=msg.tag, code=grpc.StatusCode.INTERNAL.value[0],
+                message=f"internal error: {type(exc).__name__}", rank=r.cfg.rank)))
+            return
+        with self.lock:
+            closed = self.closed
+            if not closed:
+                self.live[msg.tag] = entry
+        if closed:  # the gateway left while this admission ran
+            try:
+                r.table.request_release(entry.slot, entry.request_id)
+            except (IndexError, UnknownRequest):
+                pass
+            return
+        self.out.put(worker_pb2.SessionEvent(admitted=worker_pb2.AdmitResult(
+            tag=msg.tag, code=0, slot=entry.slot, rank=r.cfg.rank)))
+
+    def dropped(self, req: eng.Request, reason: str) -> None:
+        """A pending request left the table without starting (rank 0): tell the gateway."""
+        with self.lock:
+            self.live.pop(req.tag, None)
+        if reason == "released":
+            finish = eng.Finish(eng.CANCELLED, "released before it started")
+        else:
+            finish = eng.Finish(eng.UNAVAILABLE, f"request was not started on every rank: {reason}",
+                                code=grpc.StatusCode.UNAVAILABLE.value[0])
+        self.out.put((0, [eng.RowOutput(req, [], finish)]))
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Admit / Release / Info of one rank."""
+    """Session / Release / Info of one rank: thin over `Rank`."""
 
     def __init__(self, rank: Rank):
         self.r = rank
 
-    def Admit(self, request, context):
-        r = self.r
-        if not r.serving:
+    def Session(self, request_iterator, context):
+        if not self.r.serving:
             raise Unavailable("this worker rank lost its group and is shutting down")
-        req = request_from_proto(request, r.vocab, r.cfg.max_model_len)
-        if request.grammar_key:
-            handle = r.grammars.acquire(request.grammar_key,
-                                        request.grammar if request.HasField("grammar") else None)
-            req.grammar, req.release_grammar = handle, r.grammars.release
-        try:
-            if req.grammar is not None:
-                req.matcher = req.grammar.new_matcher()  # this rank's own (I1)
-            if r.cfg.rank == 0:
-                if request.slot != -1:
-                    raise FailedPrecondition("rank 0 allocates slots: send slot = -1", field="slot")
-                req.events = queue.Queue()
-                try:
-                    entry = r.table.allocate(req.request_id, req, on_drop=_dropped)
-                except NoFreeSlot as exc:
-                    raise ResourceExhausted(str(exc)) from None
-            else:
-                try:
-                    entry = r.table.register(request.slot, req.request_id, req, on_drop=_dropped)
-                except IndexError as exc:
-                    raise InvalidArgument(str(exc), field="slot") from None
-                except (SlotBusy, UnknownRequest) as exc:
-                    raise FailedPrecondition(str(exc), field="slot") from None
-        except BaseException:
-            req.close()
-            raise
-        if r.cfg.rank != 0:
-            yield worker_pb2.AdmitEvent(admitted=worker_pb2.Admitted(slot=entry.slot, rank=r.cfg.rank))
-            return
-        done = threading.Event()
-
-        def on_rpc_end():
-            if not done.is_set():  # the caller vanished: free the slot on every rank
-                try:
-                    r.table.request_release(entry.slot, entry.request_id)
-                except UnknownRequest:
-                    pass
-
-        if not context.add_callback(on_rpc_end):  # the caller is already gone
-            on_rpc_end()
-            return
-        yield worker_pb2.AdmitEvent(admitted=worker_pb2.Admitted(slot=entry.slot, rank=0))
-        while True:
-            try:
-                event = req.events.get(timeout=1.0)
-            except queue.Empty:
-                if not context.is_active():
-                    return  # on_rpc_end has asked for the release
-                continue
-            if event[0] == "tokens":
-                yield worker_pb2.AdmitEvent(tokens=worker_pb2.Tokens(token_ids=event[1]))
-                continue
-            done.set()
-            if event[0] == "dropped":
-                if event[1] == "released":
-                    yield finished_event(("finished", eng.CANCELLED, "released before it started",
-                                          len(req.prompt), 0, 0.0, 0.0))
-                    return
-                raise Unavailable(f"request was not started on every rank: {event[1]}")
-            if event[1] == eng.UNAVAILABLE:
-                raise Unavailable(event[2])
-            yield finished_event(event)
-            return
+        session = Session(self.r)
+        context.add_callback(session.close)
+        threading.Thread(target=session.read, args=(request_iterator,), daemon=True,
+                         name="session-reader").start()
+        yield from session.events(context)
 
     def Release(self, request, context):
         try:
@@ -211,9 +276,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def _dropped(entry, reason: str) -> None:
-    """A pending Admit left the table without starting: free its grammar, tell its stream."""
-    entry.payload.close()
-    entry.payload.emit("dropped", reason)
+    """A pending Admit left the table without starting: free its grammar, tell its session."""
+    req = entry.payload
+    req.close()
+    if req.session is not None:
+        req.session.dropped(req, reason)
 
 
 @dataclass
@@ -229,7 +296,52 @@ class Rank:
     grammars: WorkerGrammarCache
     engine: eng.Engine
     metrics: WorkerMetrics
+    admit_pool: ThreadPoolExecutor
     serving: bool = True
+
+    def admit(self, msg: worker_pb2.AdmitRequest, session: Session) -> Entry:
+        """Validate an Admit, pin its grammar, build this rank's own matcher (I1) and claim
+        the slot (rank 0 allocates; other ranks register rank 0's choice). Raises
+        ServiceError; on failure nothing is held."""
+        if not self.serving:
+            raise Unavailable("this worker rank lost its group and is shutting down")
+        req = request_from_proto(msg, self.vocab, self.cfg.max_model_len)
+        req.tag = msg.tag
+        if msg.grammar_key:
+            handle = self.grammars.acquire(msg.grammar_key,
+                                           msg.grammar if msg.HasField("grammar") else None)
+            req.grammar, req.release_grammar = handle, self.grammars.release
+        try:
+            if req.grammar is not None:
+                req.matcher = req.grammar.new_matcher()  # this rank's own (I1)
+            if self.cfg.rank == 0:
+                if msg.slot != -1:
+                    raise FailedPrecondition("rank 0 allocates slots: send slot = -1", field="slot")
+                req.session = session
+                try:
+                    return self.table.allocate(req.request_id, req, on_drop=_dropped)
+                except NoFreeSlot as exc:
+                    raise ResourceExhausted(str(exc)) from None
+            try:
+                return self.table.register(msg.slot, req.request_id, req, on_drop=_dropped)
+            except IndexError as exc:
+                raise InvalidArgument(str(exc), field="slot") from None
+            except (SlotBusy, UnknownRequest) as exc:
+                raise FailedPrecondition(str(exc), field="slot") from None
+        except BaseException:
+            req.close()
+            raise
+
+    def publish(self, outputs: list[eng.RowOutput]) -> None:
+        """Engine thread: hand each session its rows of this step (one message per session)."""
+        by_session: dict[int, tuple[Session, list]] = {}
+        for out in outputs:
+            session = out.req.session
+            if session is not None:
+                by_session.setdefault(id(session), (session, []))[1].append(out)
+        step = self.engine.step_index
+        for session, rows in by_session.values():
+            session.out.put((step, rows))
 
 
 def _device_and_dtype(cfg: WorkerConfig) -> tuple[torch.device, torch.dtype]:
@@ -272,7 +384,13 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
         model, table, ControlChannel(control_group, cfg.tp),
         vocab_size=vocab.vocab_size, model_vocab_size=model.config.vocab_size,
         eos_token_ids=vocab.eos_token_ids, device=device, metrics=metrics)
-    return Rank(cfg, model_dir, vocab, device, dtype, table, grammars, engine, metrics)
+    # Admissions run off the session reader (a grammar fetch can take seconds); the pool is
+    # sized for concurrent fetches, not for the slot count.
+    rank = Rank(cfg, model_dir, vocab, device, dtype, table, grammars, engine, metrics,
+                ThreadPoolExecutor(8, thread_name_prefix="admit"))
+    if cfg.rank == 0:
+        engine.publish = rank.publish
+    return rank
 
 
 def serve(cfg: WorkerConfig, registry: CollectorRegistry | None = None):
