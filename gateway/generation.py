@@ -1,30 +1,33 @@
 """One Generate request from slot to final message: admit on every rank, relay, release.
 
+Runs on the gateway's event loop. The request's tokens arrive as RowUpdates that the rank-0
+link puts on the request's own queue (one put per step, never a thread); each wake-up drains
+everything queued, so a slow client gets fewer, larger deltas instead of a backlog.
 Every ending path (finished, stop string, client cancel, deadline, worker error) goes through
-`Lease.release`, which sends Release to every rank and gives the router its slot back,
-exactly once. The lease is also released from the gRPC done-callback, because a cancelled
-stream's generator may never be resumed.
+`Lease.release`, which queues Release to every rank and gives the router its slot back,
+exactly once and without awaiting, so it also runs when the handler task is cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStringFilter
 from gateway.router import GroupState, Router
-from gateway.workers import GroupClient
+from gateway.workers import BROKEN, AdmitFailed, GroupClient
 from protos import common_pb2, gateway_pb2, worker_pb2
 from protos.rpc import (
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
     ServiceError,
     Unavailable,
@@ -34,17 +37,23 @@ log = logging.getLogger(__name__)
 
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
 }
+# A rank that answers with one of these has a problem of its own: try another group.
+_GROUP_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                   grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+# Finished.code of a request that could not run for a reason of the group.
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
-def service_error(exc: grpc.RpcError, what: str) -> ServiceError:
+def service_error(code: grpc.StatusCode, details: str, what: str) -> ServiceError:
     """The ServiceError that carries a backend's status to our caller (UNAVAILABLE if odd)."""
-    cls = _ERRORS.get(exc.code(), Unavailable)
-    return cls(f"{what}: {exc.details()}" if cls is Unavailable else exc.details())
+    cls = _ERRORS.get(code, Unavailable)
+    return cls(f"{what}: {details}" if cls is Unavailable else details)
 
 
 class _NotStarted(Exception):
@@ -59,29 +68,24 @@ class Lease:
 
     def __init__(self, router: Router, client: GroupClient, request_id: str):
         self._router, self._client, self._request_id = router, client, request_id
-        self._lock = threading.Lock()
         self._slot: int | None = None
         self._released = False
-        self.call = None  # rank 0's Admit stream, cancelled on release
+        self.tag: int | None = None  # rank 0's tag for the request
 
     def admitted(self, slot: int) -> None:
-        with self._lock:
-            self._slot = slot
+        self._slot = slot
 
     def release(self) -> None:
-        """Release on every rank and return the router slot. Idempotent, thread-safe."""
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-            slot = self._slot
-        try:
-            if slot is not None:
-                self._client.release_all(slot, self._request_id)
-            if self.call is not None:
-                self.call.cancel()
-        finally:
-            self._router.release(self._client.state, freed_worker_slot=slot is not None)
+        """Queue Release on every rank and return the router slot. Idempotent; never
+        awaits, so it completes even inside a cancelled task."""
+        if self._released:
+            return
+        self._released = True
+        if self.tag is not None:
+            self._client.links[0].forget(self.tag)
+        if self._slot is not None:
+            self._client.release_all(self._slot, self._request_id)
+        self._router.release(self._client.state, freed_worker_slot=self._slot is not None)
 
 
 @dataclass
@@ -120,20 +124,18 @@ class Runner:
         self._poke_health = poke_health
         self._check_schema = check_schema
 
-    def run(self, job: Job, context: grpc.ServicerContext) -> Iterator[gateway_pb2.GenerateResponse]:
+    async def run(self, job: Job) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Yield the request's deltas and final message; raise ServiceError on failure."""
-        current: list[Lease] = []
-        context.add_callback(lambda: current and current[-1].release())
         exclude: set[int] = set()
         retry = False
         while True:
-            group = self._router.acquire(deadline=job.deadline, is_active=context.is_active,
-                                         exclude=frozenset(exclude), retry=retry)
+            group = await self._router.acquire(deadline=job.deadline,
+                                               exclude=frozenset(exclude), retry=retry)
             queued = time.monotonic() - job.arrived
             lease = Lease(self._router, self._clients[group.index], job.admit.request_id)
-            current.append(lease)
             try:
-                yield from self._run_on(group, lease, job, context, queued)
+                async for response in self._run_on(group, lease, job, queued):
+                    yield response
                 return
             except _NotStarted as exc:
                 retry = True
@@ -156,89 +158,88 @@ class Runner:
         log.warning("%s failed a request: %s", group.name, why)
         self._poke_health()
 
-    def _start(self, group, lease, job, context):
-        """Admit on rank 0, then on every other rank; return rank 0's event stream."""
+    async def _start(self, group: GroupState, lease: Lease, job: Job,
+                     rows: asyncio.Queue) -> None:
+        """Admit on rank 0 (which picks the slot), then on every other rank."""
         client = self._clients[group.index]
-        call = client.stubs[0].Admit(job.admit, timeout=self._timeout(job))
-        lease.call = call
         try:
-            first = next(call)
-        except grpc.RpcError as exc:
-            self._raise_before_start(group, exc, context, "admit on rank 0")
-        except StopIteration:
-            self._group_failed(group, "rank 0 ended the Admit stream at once")
-            raise _NotStarted(group_failed=True) from None
-        if first.WhichOneof("event") != "admitted":
-            raise Unavailable(f"rank 0 of {group.name} answered Admit without a slot")
-        lease.admitted(first.admitted.slot)
+            lease.tag, slot = await client.links[0].admit(job.admit, rows, self._timeout(job))
+        except AdmitFailed as exc:
+            self._refused(group, exc, "admit on rank 0")
+        lease.admitted(slot)
+        if len(client.links) == 1:
+            return
         follower = worker_pb2.AdmitRequest()
         follower.CopyFrom(job.admit)
-        follower.slot = first.admitted.slot
-        try:
-            client.admit_followers(follower, self._timeout(job))
-        except grpc.RpcError as exc:
-            self._raise_before_start(group, exc, context, "admit on a follower rank")
-        return call
+        follower.slot = slot
+        results = await asyncio.gather(
+            *(link.admit(follower, None, self._timeout(job)) for link in client.links[1:]),
+            return_exceptions=True)
+        for result in results:
+            if isinstance(result, AdmitFailed):
+                self._refused(group, result, "admit on a follower rank")
+            elif isinstance(result, BaseException):
+                raise result
 
-    def _raise_before_start(self, group, exc: grpc.RpcError, context, what: str):
-        code = exc.code()
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    def _refused(self, group: GroupState, exc: AdmitFailed, what: str):
+        if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._router.mark_full(group)  # another gateway holds its slots: wait our turn
             raise _NotStarted(group_failed=False)
-        if not context.is_active():
-            raise Cancelled("the client cancelled the request")
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-            self._group_failed(group, f"{what} failed: {code.name}")
+        if exc.code in _GROUP_FAILURES:
+            self._group_failed(group, f"{what} failed: {exc.code.name}: {exc.message}")
             raise _NotStarted(group_failed=True)
-        raise service_error(exc, what)
+        raise service_error(exc.code, exc.message, what)
 
-    def _run_on(self, group, lease, job, context, queued):
-        call = self._start(group, lease, job, context)
+    async def _run_on(self, group, lease, job, queued):
+        rows: asyncio.Queue = asyncio.Queue()
+        await self._start(group, lease, job, rows)
         detok = IncrementalDetokenizer(self._token_bytes)
         stop = StopStringFilter(job.stops, job.include_stop)
         progress = _Progress(text=[])
-        try:
-            for event in call:
-                kind = event.WhichOneof("event")
-                if kind == "tokens":
-                    delta = self._on_tokens(event.tokens.token_ids, detok, stop, progress)
-                    if delta is not None:
-                        yield delta
-                    if stop.stopped:
-                        lease.release()
-                        yield self._final(job, progress, queued, detok, stop,
-                                          common_pb2.FINISH_REASON_STOP_STRING, "", None)
-                        return
-                elif kind == "finished":
-                    fin = event.finished
-                    if fin.reason == common_pb2.FINISH_REASON_ERROR_INTERNAL:
-                        healthy, why, _ = self._clients[group.index].check("")
-                        if not healthy:
-                            self._router.set_health(group, False, why)
-                            self._group_failed(group, why)
-                            raise Unavailable(f"{group.name} failed during the request: "
-                                              f"{fin.message or why}")
-                    yield from self._tail(job, progress, queued, detok, stop, fin)
+        while True:
+            try:
+                first = await asyncio.wait_for(rows.get(), self._timeout(job))
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded("the deadline expired during generation") from None
+            batch = [first]
+            while not rows.empty():  # drain: one delta for everything that is here
+                batch.append(rows.get_nowait())
+            ids: list[int] = []
+            fin = None
+            broken = False
+            for row in batch:
+                if row is BROKEN:
+                    broken = True
+                    break
+                ids.extend(row.token_ids)
+                if row.HasField("finished"):
+                    fin = row.finished
+                    break
+            if ids:
+                delta = self._on_tokens(ids, detok, stop, progress)
+                if delta is not None:
+                    yield delta
+                if stop.stopped:
+                    lease.release()
+                    yield self._final(job, progress, queued, common_pb2.FINISH_REASON_STOP_STRING,
+                                      "", None)
                     return
-        except grpc.RpcError as exc:
-            self._raise_mid_stream(group, exc, context, progress)
-        self._group_failed(group, "rank 0 ended a stream without a finish")
-        if progress.tokens == 0:
-            raise _NotStarted(group_failed=True)
-        raise Unavailable(f"{group.name} ended the request's stream without finishing it")
-
-    def _raise_mid_stream(self, group, exc: grpc.RpcError, context, progress):
-        code = exc.code()
-        if not context.is_active():
-            raise Cancelled("the client cancelled the request")
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise DeadlineExceeded("the deadline expired during generation")
-        self._group_failed(group, f"stream broke: {code.name}")
-        if progress.tokens == 0:
-            raise _NotStarted(group_failed=True)
-        raise Unavailable(f"{group.name} failed after {progress.tokens} tokens were streamed "
-                          f"({code.name}: {exc.details()}); not retried")
+            if broken:
+                self._group_failed(group, "rank 0's stream broke")
+                if progress.tokens == 0:
+                    raise _NotStarted(group_failed=True)
+                raise Unavailable(f"{group.name} failed after {progress.tokens} tokens were "
+                                  "streamed (its stream broke); not retried")
+            if fin is not None:
+                if fin.code == _UNAVAILABLE:
+                    self._group_failed(group, fin.message)
+                    if progress.tokens == 0:
+                        raise _NotStarted(group_failed=True)
+                    raise Unavailable(f"{group.name} failed during the request after "
+                                      f"{progress.tokens} tokens: {fin.message}; not retried")
+                for response in self._tail(job, progress, queued, detok, stop, fin):
+                    yield response
+                return
 
     def _on_tokens(self, ids, detok, stop, progress) -> gateway_pb2.GenerateResponse | None:
         now = time.monotonic()
@@ -250,8 +251,6 @@ class Runner:
         progress.tokens += len(ids)
         text = stop.push(detok.push(ids))
         progress.text.append(text)
-        if not text and not ids:
-            return None
         return gateway_pb2.GenerateResponse(delta=gateway_pb2.Delta(text=text, token_ids=ids))
 
     def _tail(self, job, progress, queued, detok, stop, fin):
@@ -263,9 +262,9 @@ class Runner:
         reason = fin.reason
         if stop.stopped:
             reason = common_pb2.FINISH_REASON_STOP_STRING
-        yield self._final(job, progress, queued, detok, stop, reason, fin.message, fin.usage)
+        yield self._final(job, progress, queued, reason, fin.message, fin.usage)
 
-    def _final(self, job, progress, queued, detok, stop, reason, message, usage):
+    def _final(self, job, progress, queued, reason, message, usage):
         text = "".join(progress.text)
         now = time.monotonic()
         if progress.first_token_at is not None:

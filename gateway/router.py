@@ -1,6 +1,6 @@
 """Admission control: which worker group gets a request, and the bounded wait for a slot.
 
-Plain Python (no grpc, no torch). Free slots are tracked from this gateway's own
+Plain Python and asyncio (no grpc, no torch). Free slots are tracked from this gateway's own
 bookkeeping plus each group's Info; other gateways may share a group, so a group that
 answers RESOURCE_EXHAUSTED is treated as full until one of our requests leaves it or
 `backoff_seconds` pass.
@@ -8,14 +8,13 @@ answers RESOURCE_EXHAUSTED is treated as full until one of our requests leaves i
 
 from __future__ import annotations
 
-import itertools
-import threading
+import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protos.rpc import Cancelled, DeadlineExceeded, ResourceExhausted, Unavailable
+from protos.rpc import DeadlineExceeded, ResourceExhausted, Unavailable
 
 
 @dataclass
@@ -43,8 +42,9 @@ class GroupState:
 class Router:
     """Least-loaded routing over healthy groups with a bounded FIFO wait queue.
 
-    `on_change(queue_depth, in_flight, healthy_groups)` is called (under the lock) whenever
-    one of those numbers may have changed, for the metrics gauges.
+    Runs on the gateway's event loop (every method is called from it; none blocks).
+    `on_change(queue_depth, in_flight, healthy_groups)` is called whenever one of those
+    numbers may have changed, for the metrics gauges.
     """
 
     def __init__(self, groups: list[GroupState], max_queue: int, *,
@@ -53,42 +53,38 @@ class Router:
         self.groups = groups
         self.max_queue = max_queue
         self.backoff_seconds = backoff_seconds
-        self._cond = threading.Condition()
-        self._queue: deque[int] = deque()
-        self._tickets = itertools.count()
+        self._queue: deque[asyncio.Event] = deque()  # one wake-up event per waiter, FIFO
         self._on_change = on_change or (lambda *_: None)
 
     # -- requests -------------------------------------------------------------------------
 
-    def acquire(self, *, deadline: float | None = None,
-                is_active: Callable[[], bool] = lambda: True,
-                exclude: frozenset[int] = frozenset(), retry: bool = False) -> GroupState:
+    async def acquire(self, *, deadline: float | None = None,
+                      exclude: frozenset[int] = frozenset(), retry: bool = False) -> GroupState:
         """Take a slot in the least-loaded healthy group, waiting in FIFO order if needed.
 
         `deadline` is a time.monotonic() value. `exclude` lists group indices not to use
         (they already failed this request). `retry` requests (sent back by a worker that
         was full) skip the queue bound. Counts the slot as in use; give it back with
-        `release`. Raises ResourceExhausted (queue full), Unavailable (no healthy group),
-        DeadlineExceeded, or Cancelled (`is_active()` turned False while waiting).
+        `release`. Raises ResourceExhausted (queue full), Unavailable (no healthy group) or
+        DeadlineExceeded; a cancelled caller leaves the queue.
         """
-        with self._cond:
-            group = self._pick(exclude) if not self._queue else None
-            if group is not None:
-                return self._take(group)
-            self._check_available(exclude)
-            if len(self._queue) >= self.max_queue and not retry:
-                raise ResourceExhausted(
-                    f"every slot is busy and {len(self._queue)} requests are queued "
-                    f"(--max-queue {self.max_queue}); retry later")
-            ticket = next(self._tickets)
-            self._queue.append(ticket)
+        group = self._pick(exclude) if not self._queue else None
+        if group is not None:
+            return self._take(group)
+        self._check_available(exclude)
+        if len(self._queue) >= self.max_queue and not retry:
+            raise ResourceExhausted(
+                f"every slot is busy and {len(self._queue)} requests are queued "
+                f"(--max-queue {self.max_queue}); retry later")
+        wake = asyncio.Event()
+        self._queue.append(wake)
+        self._changed()
+        try:
+            return await self._wait(wake, deadline, exclude)
+        finally:
+            self._queue.remove(wake)
             self._changed()
-            try:
-                return self._wait(ticket, deadline, is_active, exclude)
-            finally:
-                self._queue.remove(ticket)
-                self._changed()
-                self._cond.notify_all()
+            self._wake_all()
 
     def release(self, group: GroupState, freed_worker_slot: bool = True) -> None:
         """Give back a slot taken with `acquire`; wakes the queue.
@@ -96,43 +92,38 @@ class Router:
         `freed_worker_slot`: the request had held a worker slot, so the group has room
         again even if it had answered RESOURCE_EXHAUSTED.
         """
-        with self._cond:
-            group.in_use -= 1
-            if freed_worker_slot:
-                group.full_until = 0.0
-            self._changed()
-            self._cond.notify_all()
+        group.in_use -= 1
+        if freed_worker_slot:
+            group.full_until = 0.0
+        self._changed()
+        self._wake_all()
 
     def mark_full(self, group: GroupState) -> None:
         """The group's rank 0 said it has no free slot (another gateway took it)."""
-        with self._cond:
-            group.full_until = time.monotonic() + self.backoff_seconds
+        group.full_until = time.monotonic() + self.backoff_seconds
 
     # -- health ---------------------------------------------------------------------------
 
     def set_health(self, group: GroupState, healthy: bool, reason: str = "", *,
                    num_slots: int | None = None, max_model_len: int | None = None) -> None:
         """Take a group out of (or put it back into) rotation; wakes the queue."""
-        with self._cond:
-            group.healthy = healthy
-            group.reason = reason
-            if num_slots is not None:
-                group.num_slots = num_slots
-            if max_model_len is not None:
-                group.max_model_len = max_model_len
-            self._changed()
-            self._cond.notify_all()
+        group.healthy = healthy
+        group.reason = reason
+        if num_slots is not None:
+            group.num_slots = num_slots
+        if max_model_len is not None:
+            group.max_model_len = max_model_len
+        self._changed()
+        self._wake_all()
 
     def healthy_groups(self) -> list[GroupState]:
-        with self._cond:
-            return [g for g in self.groups if g.healthy]
+        return [g for g in self.groups if g.healthy]
 
     @property
     def queue_depth(self) -> int:
-        with self._cond:
-            return len(self._queue)
+        return len(self._queue)
 
-    # -- internals (lock held) ------------------------------------------------------------
+    # -- internals ------------------------------------------------------------------------
 
     def _pick(self, exclude: frozenset[int]) -> GroupState | None:
         now = time.monotonic()
@@ -152,22 +143,29 @@ class Router:
                             if not g.healthy) or "every group already failed this request"
             raise Unavailable(f"no healthy worker group ({bad})")
 
-    def _wait(self, ticket, deadline, is_active, exclude) -> GroupState:
+    async def _wait(self, wake: asyncio.Event, deadline, exclude) -> GroupState:
         while True:
-            if self._queue[0] == ticket:
+            wake.clear()
+            if self._queue[0] is wake:
                 group = self._pick(exclude)
                 if group is not None:
                     return self._take(group)
             self._check_available(exclude)
-            if not is_active():
-                raise Cancelled("the request was cancelled while queued")
-            timeout = 0.05
+            # Woken by releases and health changes; the short timeout covers backoffs ending.
+            timeout = self.backoff_seconds
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DeadlineExceeded("the deadline expired while queued for a slot")
                 timeout = min(timeout, left)
-            self._cond.wait(timeout)
+            try:
+                await asyncio.wait_for(wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    def _wake_all(self) -> None:
+        for wake in self._queue:
+            wake.set()
 
     def _changed(self) -> None:
         self._on_change(len(self._queue), sum(g.in_use for g in self.groups),

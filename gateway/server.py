@@ -1,20 +1,23 @@
 """The Gateway gRPC service: validate, tokenise, compile, route, relay. Thin over `Runner`.
 
-`create_server(config)` builds and starts everything (worker clients, health monitor, gRPC
-server); `main(argv)` is `gramserve gateway`.
+The whole gateway runs on one asyncio event loop (grpc.aio): every client stream is a task,
+not a thread, and the worker groups are reached over one Session stream per rank
+(gateway/workers.py). `create_server(config)` starts that loop on its own thread and builds
+everything on it (worker links, health monitor, gRPC server); `main(argv)` is
+`gramserve gateway`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import secrets
 import signal
 import threading
 import time
 import uuid
-from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -40,16 +43,18 @@ from protos.rpc import (
     InvalidArgument,
     NotFound,
     ServiceError,
-    channel,
-    set_serving,
+    aio_channel,
+    create_aio_server,
+    set_serving_aio,
     start_metrics_server,
 )
-from protos.rpc import create_server as create_grpc_server
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _COMPILE_TIMEOUT = 120.0
+# Prompts longer than this are tokenised on a thread, off the event loop.
+_INLINE_TOKENIZE_CHARS = 4096
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -65,7 +70,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._metrics = metrics
         self._limits = Limits(vocab_size=vocab.vocab_size,
                               max_request_bytes=config.max_request_bytes)
-        self._grammar_channel = channel(config.grammar_service, tls_ca=config.ca_bytes())
+        self._grammar_channel = aio_channel(config.grammar_service, tls_ca=config.ca_bytes())
         self._grammar = grammar_pb2_grpc.GrammarServiceStub(self._grammar_channel)
         self._chat = None
         if vocab.chat_template:
@@ -76,16 +81,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     # -- rpcs -----------------------------------------------------------------------------
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         arrived = time.monotonic()
         kind = constraint_kind(request.constraint)
-        status = "CANCELLED"  # unless the stream ends otherwise (a closed generator is one)
+        status = "CANCELLED"  # unless the stream ends otherwise (a cancelled task is one)
         try:
-            job = self._job(request, context, arrived, kind)
-            yield from self._runner.run(job, context)
+            job = await self._job(request, context, arrived, kind)
+            async for response in self._runner.run(job):
+                yield response
             status = "OK"
         except ServiceError as exc:
             status = exc.code.name
+            raise
+        except asyncio.CancelledError:
             raise
         except Exception:
             status = "INTERNAL"
@@ -94,17 +102,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._metrics.requests.labels(kind, status).inc()
             self._metrics.request_seconds.observe(time.monotonic() - arrived)
 
-    def CompileGrammar(self, request, context):
+    async def CompileGrammar(self, request, context):
         self._check_model(request.model)
         if constraint_kind(request.constraint) == "none":
             raise InvalidArgument("no constraint kind is set", field="constraint")
         validate_constraint(request.constraint)
-        ref = self._compile(request.constraint, context.time_remaining())
+        ref = await self._compile(request.constraint, context.time_remaining())
         return gateway_pb2.CompileGrammarResponse(
             key=ref.key, kind=ref.kind, cached=ref.cached, compile_seconds=ref.compile_seconds,
             unenforced_keywords=list(ref.unenforced_keywords))
 
-    def ListModels(self, request, context):
+    async def ListModels(self, request, context):
         groups = self._router.groups
         known = [g.max_model_len for g in groups if g.max_model_len]
         return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelInfo(
@@ -112,15 +120,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_model_len=min(known) if known else 0, groups=len(groups),
             tp_size=len(groups[0].addresses))])
 
-    def close(self) -> None:
-        self._grammar_channel.close()
+    async def close(self) -> None:
+        await self._grammar_channel.close()
 
     # -- steps ----------------------------------------------------------------------------
 
-    def _job(self, request, context, arrived: float, kind: str) -> Job:
+    async def _job(self, request, context, arrived: float, kind: str) -> Job:
         validate_request(request, self._limits)
         self._check_model(request.model)
-        prompt_ids = self._tokenize(request)
+        if len(request.prompt) + sum(len(m.content) for m in request.messages) \
+                > _INLINE_TOKENIZE_CHARS:
+            prompt_ids = await asyncio.to_thread(self._tokenize, request)
+        else:
+            prompt_ids = self._tokenize(request)
         self._check_length(prompt_ids)
         sampling = type(request.sampling)()
         sampling.CopyFrom(request.sampling)
@@ -140,7 +152,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         compile_seconds = 0.0
         if kind != "none":
             t0 = time.monotonic()
-            ref = self._compile(request.constraint, remaining)
+            ref = await self._compile(request.constraint, remaining)
             compile_seconds = ref.compile_seconds if ref.cached else time.monotonic() - t0
             admit.grammar_key = ref.key
             admit.grammar.CopyFrom(request.constraint)
@@ -171,74 +183,100 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"the prompt is {len(prompt_ids)} tokens; the context holds {min(known)} "
                 "(prompt plus at least one generated token)", field="prompt")
 
-    def _compile(self, spec, remaining: float | None) -> grammar_pb2.GrammarRef:
+    async def _compile(self, spec, remaining: float | None) -> grammar_pb2.GrammarRef:
         timeout = _COMPILE_TIMEOUT if remaining is None else min(remaining, _COMPILE_TIMEOUT)
         try:
-            return self._grammar.Compile(grammar_pb2.CompileRequest(spec=spec), timeout=timeout)
+            return await self._grammar.Compile(grammar_pb2.CompileRequest(spec=spec),
+                                               timeout=timeout)
         except grpc.RpcError as exc:
-            raise service_error(exc, "grammar service") from None
+            raise service_error(exc.code(), exc.details(), "grammar service") from None
 
 
 @dataclass
 class Gateway:
-    """A running gateway: its gRPC server, bound port and the parts to stop."""
+    """A running gateway: its event loop thread, bound port and the parts to stop."""
 
-    server: grpc.Server
     port: int
-    servicer: GatewayServicer
-    monitor: HealthMonitor
-    clients: list[GroupClient]
     metrics_port: int
-    _metrics_server: object = None
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    _parts: dict = field(default_factory=dict)
 
     def stop(self, grace: float = 5.0) -> None:
-        """Stop taking requests, let running ones finish for `grace` seconds, close clients."""
-        self.server.stop(grace).wait()
-        self.monitor.stop()
-        self.servicer.close()
-        for c in self.clients:
-            c.close()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+        """Stop taking requests, let running ones finish for `grace` seconds, close links."""
+        if not self.thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self._stop(grace), self.loop).result(grace + 30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        if self._parts.get("metrics_server") is not None:
+            self._parts["metrics_server"].shutdown()
+
+    async def _stop(self, grace: float) -> None:
+        p = self._parts
+        await p["server"].stop(grace)
+        await p["monitor"].stop()
+        await p["servicer"].close()
+        for c in p["clients"]:
+            await c.close()
 
 
-def create_server(config: GatewayConfig, registry: CollectorRegistry | None = None) -> Gateway:
-    """Load the vocabulary, connect to the groups, and start serving on config.host:port.
-
-    Group health is checked once before returning and then every `health_interval`
-    seconds; the gateway's health is SERVING while at least one group is. Raises
-    ValueError for a bad model directory, RuntimeError when the port cannot be bound.
-    """
-    registry = registry if registry is not None else CollectorRegistry()
+async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Gateway) -> None:
     metrics = GatewayMetrics(registry)
     model_dir = resolve_model(config.model)
     vocab = load_vocab(model_dir)
     states = [GroupState(index=i, addresses=g) for i, g in enumerate(config.groups)]
     health_ref: list = []
+    serving: list[bool] = []
 
     def on_change(queue_depth: int, in_flight: int, healthy: int) -> None:
         metrics.queue_depth.set(queue_depth)
         metrics.in_flight.set(in_flight)
         metrics.healthy_groups.set(healthy)
-        if health_ref:
-            set_serving(health_ref[0], [SERVICE_NAME], healthy > 0)
+        if health_ref and serving != [healthy > 0]:
+            serving[:] = [healthy > 0]
+            asyncio.get_running_loop().create_task(
+                set_serving_aio(health_ref[0], [SERVICE_NAME], healthy > 0))
 
     router = Router(states, config.max_queue, on_change=on_change)
-    pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="fanout")
-    clients = [GroupClient(s, config.ca_bytes(), pool) for s in states]
+    clients = [GroupClient(s, config.ca_bytes()) for s in states]
     monitor = HealthMonitor(router, clients, vocab.fingerprint, config.health_interval)
     runner = Runner(router, clients, vocab.token_bytes, metrics, monitor.poke,
                     check_output_against_schema)
     servicer = GatewayServicer(config, vocab, Path(model_dir).name, router, runner, metrics)
-    # One thread per open stream: enough for every queued request plus the running ones.
-    server, port, health = create_grpc_server(
+    server, port, health = await create_aio_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
-        host=config.host, port=config.port, tls=config.tls_pair(),
-        max_workers=config.max_queue + 256)
+        host=config.host, port=config.port, tls=config.tls_pair())
     health_ref.append(health)
-    monitor.start()
-    metrics_server, metrics_port = start_metrics_server(config.metrics_port, registry)
-    return Gateway(server, port, servicer, monitor, clients, metrics_port, metrics_server)
+    await monitor.start()
+    serving[:] = [bool(router.healthy_groups())]
+    await set_serving_aio(health, [SERVICE_NAME], serving[0])
+    gateway.port = port
+    gateway._parts.update(server=server, monitor=monitor, servicer=servicer, clients=clients)
+
+
+def create_server(config: GatewayConfig, registry: CollectorRegistry | None = None) -> Gateway:
+    """Load the vocabulary, connect to the groups, and start serving on config.host:port.
+
+    The gateway runs on an event loop of its own thread; this call returns once it serves.
+    Group health is checked once before returning and then every `health_interval`
+    seconds; the gateway's health is SERVING while at least one group is. Raises
+    ValueError for a bad model directory, RuntimeError when the port cannot be bound.
+    """
+    registry = registry if registry is not None else CollectorRegistry()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="gateway-loop", daemon=True)
+    thread.start()
+    gateway = Gateway(port=0, metrics_port=-1, loop=loop, thread=thread)
+    try:
+        asyncio.run_coroutine_threadsafe(_build(config, registry, gateway), loop).result()
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        raise
+    metrics_server, gateway.metrics_port = start_metrics_server(config.metrics_port, registry)
+    gateway._parts["metrics_server"] = metrics_server
+    return gateway
 
 
 def build_parser() -> argparse.ArgumentParser:

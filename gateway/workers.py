@@ -1,47 +1,179 @@
-"""gRPC clients of the worker groups, and the health monitor that takes groups out and back.
+"""The gateway's links to the worker groups, and the health monitor that takes groups out and
+back. Everything here runs on the gateway's event loop.
 
-Each rank of a group has one long-lived channel. Health: a group is in rotation when every
-rank answers the gRPC health check SERVING and rank 0's Info says `serving`, with the
-gateway's vocabulary.
+Each rank of a group has one channel and one long-lived `Session` stream (worker.proto): the
+gateway writes admissions and releases into it; the rank answers every admission, and rank 0
+sends one StepUpdate per step with the new tokens of all of this gateway's rows. A `RankLink`
+demultiplexes those messages to the waiting requests by tag, so the cost of a running request
+is one queue put per step, with no thread and no stream of its own. Health: a group is in
+rotation when every rank answers the gRPC health check SERVING and rank 0's Info says
+`serving`, with the gateway's vocabulary.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
-import threading
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.router import GroupState, Router
 from protos import worker_pb2, worker_pb2_grpc
-from protos.rpc import channel
+from protos.rpc import aio_channel
 
 log = logging.getLogger(__name__)
 
 _CHECK_TIMEOUT = 2.0
-_RELEASE_TIMEOUT = 5.0
+# What a request's queue receives when its rank's stream broke.
+BROKEN = object()
+
+
+class AdmitFailed(Exception):
+    """A rank refused an admission (`code` a grpc.StatusCode), or its stream broke."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class RankLink:
+    """The Session stream to one rank, opened on first use and again after it broke."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, name: str):
+        self._stub = stub
+        self.name = name
+        self._call = None
+        self._reader: asyncio.Task | None = None
+        self._tags = itertools.count(1)
+        self._admits: dict[int, asyncio.Future] = {}
+        self._rows: dict[int, asyncio.Queue] = {}
+        self._abandoned: dict[int, str] = {}  # tag -> request id of admissions given up on
+
+    def _ensure_open(self) -> None:
+        if self._call is None:
+            self._call = self._stub.Session()
+            self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
+
+    async def admit(self, req: worker_pb2.AdmitRequest, rows: asyncio.Queue | None,
+                    timeout: float | None) -> tuple[int, int]:
+        """Send an admission; return (tag, slot). `rows` (rank 0) receives the request's
+        RowUpdates, then nothing, or BROKEN when the stream broke. Raises AdmitFailed."""
+        self._ensure_open()
+        tag = next(self._tags)
+        msg = worker_pb2.AdmitRequest()
+        msg.CopyFrom(req)
+        msg.tag = tag
+        future = asyncio.get_running_loop().create_future()
+        self._admits[tag] = future
+        if rows is not None:
+            self._rows[tag] = rows
+        try:
+            await self._call.write(worker_pb2.SessionRequest(admit=msg))
+            result = await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:
+            self._rows.pop(tag, None)
+            self._abandoned[tag] = req.request_id  # released if its answer still comes
+            raise AdmitFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"{self.name} did not answer the admission in time") from None
+        except grpc.RpcError as exc:
+            self._rows.pop(tag, None)
+            raise AdmitFailed(grpc.StatusCode.UNAVAILABLE,
+                              f"{self.name}: {exc.code().name}") from None
+        finally:
+            self._admits.pop(tag, None)
+        if result.code != 0:
+            self._rows.pop(tag, None)
+            raise AdmitFailed(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.message)
+        return tag, result.slot
+
+    def forget(self, tag: int) -> None:
+        """Stop routing a request's rows (it ended)."""
+        self._rows.pop(tag, None)
+
+    def release(self, slot: int, request_id: str) -> None:
+        """Queue a Release on this rank's stream (fire and forget; never blocks)."""
+        if self._call is None:
+            return
+        msg = worker_pb2.SessionRequest(
+            release=worker_pb2.ReleaseRequest(slot=slot, request_id=request_id))
+        asyncio.get_running_loop().create_task(self._write_quietly(self._call, msg))
+
+    @staticmethod
+    async def _write_quietly(call, msg) -> None:
+        try:
+            await call.write(msg)
+        except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError):
+            pass  # the stream is gone: the rank released the session's requests itself
+
+    async def _read(self, call) -> None:
+        try:
+            async for event in call:
+                if event.HasField("step"):
+                    for row in event.step.rows:
+                        queue = self._rows.get(row.tag)
+                        if queue is not None:
+                            queue.put_nowait(row)
+                            if row.HasField("finished"):
+                                del self._rows[row.tag]
+                else:
+                    result = event.admitted
+                    future = self._admits.get(result.tag)
+                    if future is not None and not future.done():
+                        future.set_result(result)
+                    elif result.tag in self._abandoned:
+                        request_id = self._abandoned.pop(result.tag)
+                        if result.code == 0:
+                            self.release(result.slot, request_id)
+        except grpc.RpcError as exc:
+            log.warning("stream to %s broke: %s", self.name, exc.code().name)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            if self._call is call:
+                self._call = None
+            self._fail_waiting(f"the stream to {self.name} ended")
+
+    def _fail_waiting(self, why: str) -> None:
+        for future in self._admits.values():
+            if not future.done():
+                future.set_exception(AdmitFailed(grpc.StatusCode.UNAVAILABLE, why))
+        rows, self._rows = self._rows, {}
+        for queue in rows.values():
+            queue.put_nowait(BROKEN)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
 
 
 class GroupClient:
-    """Stubs for every rank of one group, and the calls that fan out to all of them."""
+    """Channels, health stubs and Session links for every rank of one group."""
 
-    def __init__(self, state: GroupState, tls_ca: bytes | None, pool: futures.Executor):
+    def __init__(self, state: GroupState, tls_ca: bytes | None):
         self.state = state
-        self._channels = [channel(a, tls_ca=tls_ca) for a in state.addresses]
+        self._channels = [aio_channel(a, tls_ca=tls_ca) for a in state.addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
-        self._pool = pool
+        self.links = [RankLink(stub, f"{state.name} rank {r}") for r, stub in enumerate(self.stubs)]
 
-    def check(self, fingerprint: str) -> tuple[bool, str, worker_pb2.WorkerInfo | None]:
+    async def check(self, fingerprint: str) -> tuple[bool, str, worker_pb2.WorkerInfo | None]:
         """(healthy, reason, rank 0's Info) from one round of checks on every rank."""
         try:
-            for rank, stub in enumerate(self._health):
-                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=_CHECK_TIMEOUT)
+            answers = await asyncio.gather(*(
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=_CHECK_TIMEOUT)
+                for stub in self._health))
+            for rank, resp in enumerate(answers):
                 if resp.status != health_pb2.HealthCheckResponse.SERVING:
                     return False, f"rank {rank} is not serving", None
-            info = self.stubs[0].Info(worker_pb2.InfoRequest(), timeout=_CHECK_TIMEOUT)
+            info = await self.stubs[0].Info(worker_pb2.InfoRequest(), timeout=_CHECK_TIMEOUT)
         except grpc.RpcError as exc:
             return False, f"health check failed: {exc.code().name}", None
         if not info.serving:
@@ -52,40 +184,20 @@ class GroupClient:
             return False, "vocabulary fingerprint differs from the gateway's model", info
         return True, "", info
 
-    def admit_followers(self, req: worker_pb2.AdmitRequest, timeout: float | None) -> None:
-        """Send `req` (with the slot rank 0 chose) to ranks 1..N-1 in parallel.
-
-        Raises the first grpc.RpcError a rank answered with.
-        """
-        def admit(stub):
-            for _ in stub.Admit(req, timeout=timeout):
-                pass
-
-        jobs = [self._pool.submit(admit, stub) for stub in self.stubs[1:]]
-        errors = [j.exception() for j in jobs]
-        for err in errors:
-            if err is not None:
-                raise err
-
     def release_all(self, slot: int, request_id: str) -> None:
-        """Release (slot, request_id) on every rank; NOT_FOUND and dead ranks are fine here."""
-        req = worker_pb2.ReleaseRequest(slot=slot, request_id=request_id)
-        calls = [stub.Release.future(req, timeout=_RELEASE_TIMEOUT) for stub in self.stubs]
-        for rank, call in enumerate(calls):
-            try:
-                call.result()
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    log.info("release of slot %d on %s rank %d: %s", slot, self.state.name,
-                             rank, exc.code().name)
+        """Release (slot, request_id) on every rank; never blocks."""
+        for link in self.links:
+            link.release(slot, request_id)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        for link in self.links:
+            await link.close()
         for c in self._channels:
-            c.close()
+            await c.close()
 
 
 class HealthMonitor:
-    """A thread that checks every group each `interval` seconds (sooner when poked)."""
+    """A task that checks every group each `interval` seconds (sooner when poked)."""
 
     def __init__(self, router: Router, clients: list[GroupClient], fingerprint: str,
                  interval: float):
@@ -93,27 +205,26 @@ class HealthMonitor:
         self._clients = clients
         self._fingerprint = fingerprint
         self._interval = interval
-        self._poke = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="health-monitor", daemon=True)
+        self._poke = asyncio.Event()
+        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        self.check_all()
-        self._thread.start()
+    async def start(self) -> None:
+        await self.check_all()
+        self._task = asyncio.get_running_loop().create_task(self._run())
 
     def poke(self) -> None:
         """Check again now (a request just saw a group fail)."""
         self._poke.set()
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._poke.set()
-        self._thread.join(timeout=5)
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
-    def check_all(self) -> None:
-        """One round of checks; updates the router."""
-        for client in self._clients:
-            ok, reason, info = client.check(self._fingerprint)
+    async def check_all(self) -> None:
+        """One round of checks (groups in parallel); updates the router."""
+        results = await asyncio.gather(*(c.check(self._fingerprint) for c in self._clients))
+        for client, (ok, reason, info) in zip(self._clients, results, strict=True):
             state = client.state
             if ok != state.healthy:
                 log.warning("%s (%s) is %s%s", state.name, ",".join(state.addresses),
@@ -124,9 +235,11 @@ class HealthMonitor:
                 num_slots=info.num_slots if info is not None else None,
                 max_model_len=info.max_model_len if info is not None else None)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._poke.wait(self._interval)
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._poke.wait(), self._interval)
+            except asyncio.TimeoutError:
+                pass
             self._poke.clear()
-            if not self._stop.is_set():
-                self.check_all()
+            await self.check_all()

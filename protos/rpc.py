@@ -111,6 +111,98 @@ class _ErrorMapper(grpc.ServerInterceptor):
         return handler
 
 
+class _AioErrorMapper(grpc.aio.ServerInterceptor):
+    """The asyncio twin of _ErrorMapper, for unary-unary and unary-stream handlers."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+
+        async def _abort_aio(context, exc):
+            if isinstance(exc, ServiceError):
+                await context.abort(exc.code, str(exc))
+            log.exception("unhandled error in rpc")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"internal error: {type(exc).__name__}: {exc}")
+
+        def wrap_unary(fn):
+            async def call(request, context):
+                try:
+                    return await fn(request, context)
+                except ServiceError as exc:
+                    await _abort_aio(context, exc)
+                except Exception as exc:
+                    if context.code() is not None:
+                        raise
+                    await _abort_aio(context, exc)
+            return call
+
+        def wrap_stream(fn):
+            async def call(request, context):
+                try:
+                    async for item in fn(request, context):
+                        yield item
+                except ServiceError as exc:
+                    await _abort_aio(context, exc)
+                except Exception as exc:
+                    if context.code() is not None:
+                        raise
+                    await _abort_aio(context, exc)
+            return call
+
+        if handler.unary_unary:
+            return handler._replace(unary_unary=wrap_unary(handler.unary_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=wrap_stream(handler.unary_stream))
+        return handler
+
+
+async def create_aio_server(
+    register: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    tls: tuple[bytes, bytes] | None = None,
+) -> tuple[grpc.aio.Server, int, Any]:
+    """The asyncio version of `create_server` (no thread pool: one event loop serves every
+    stream); returns (server, port, health servicer). Call `await health.set(...)` or
+    `set_serving_aio` to change the health status."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    server = grpc.aio.server(interceptors=[_AioErrorMapper()], options=CHANNEL_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+    for add, servicer, name in register:
+        add(servicer, server)
+        names.append(name)
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+    address = f"{host}:{port}"
+    if tls:
+        cert_chain, private_key = tls
+        bound = server.add_secure_port(
+            address, grpc.ssl_server_credentials([(private_key, cert_chain)]))
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise RuntimeError(f"cannot bind {address}")
+    await server.start()
+    await set_serving_aio(health_servicer, names[1:], True)
+    return server, bound, health_servicer
+
+
+async def set_serving_aio(health_servicer, names: Iterable[str], serving: bool) -> None:
+    """`set_serving` for the asyncio health servicer."""
+    from grpc_health.v1 import health_pb2
+
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ["", *names]:
+        await health_servicer.set(name, status)
+
+
 def create_server(
     register: Iterable[tuple[Callable[[Any, grpc.Server], None], Any, str]],
     *,
@@ -173,6 +265,14 @@ def channel(address: str, *, tls_ca: bytes | None = None) -> grpc.Channel:
     if tls_ca is not None:
         return grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), CHANNEL_OPTIONS)
     return grpc.insecure_channel(address, CHANNEL_OPTIONS)
+
+
+def aio_channel(address: str, *, tls_ca: bytes | None = None) -> grpc.aio.Channel:
+    """An asyncio client channel with gramserve's message limits (TLS when a CA is given)."""
+    if tls_ca is not None:
+        return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls_ca),
+                                       CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, CHANNEL_OPTIONS)
 
 
 def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:

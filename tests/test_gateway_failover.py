@@ -6,6 +6,7 @@ these tests use small scripted Worker servicers (real gRPC servers, real gateway
 tokenizer). The real-process versions of these paths live in tests/test_system_*.py.
 """
 
+import queue
 import threading
 import time
 
@@ -29,7 +30,9 @@ def vocab():
 
 
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
-    """One rank. Rank 0 streams `script`: token lists, then "finish" or a status code."""
+    """One rank speaking the Session protocol. On rank 0 each admission plays `script`:
+    token lists (one StepUpdate each), then "finish", "wait" (until released) or a status
+    code (the whole stream breaks with it)."""
 
     def __init__(self, vocab, rank, script=(), refuse_first=None, num_slots=4):
         self.vocab, self.rank, self.script = vocab, rank, list(script)
@@ -38,36 +41,65 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         self.admits, self.releases = [], []
         self.released = threading.Event()
 
-    def Admit(self, request, context):
-        self.admits.append(request.request_id)
-        if self.refuse_first is not None:
-            code, self.refuse_first = self.refuse_first, None
-            context.abort(code, "scripted refusal")
-        yield worker_pb2.AdmitEvent(admitted=worker_pb2.Admitted(slot=3, rank=self.rank))
-        if self.rank != 0:
-            return
-        for step in self.script:
-            if isinstance(step, grpc.StatusCode):
-                context.abort(step, "scripted failure")
-            if step == "finish":
-                yield worker_pb2.AdmitEvent(finished=worker_pb2.Finished(
-                    reason=common_pb2.FINISH_REASON_STOP))
-                return
-            if step == "wait":
-                self.released.wait(10)
-                return
-            time.sleep(0.01)
-            yield worker_pb2.AdmitEvent(tokens=worker_pb2.Tokens(token_ids=step))
+    def Session(self, request_iterator, context):
+        out = queue.Queue()
 
-    def Release(self, request, context):
-        self.releases.append((request.slot, request.request_id))
-        self.released.set()
-        return worker_pb2.ReleaseResponse(was_running=True)
+        def play(tag):
+            for step in self.script:
+                if isinstance(step, grpc.StatusCode):
+                    out.put(step)
+                    return
+                if step == "finish":
+                    out.put(_rows(tag, [], common_pb2.FINISH_REASON_STOP))
+                    return
+                if step == "wait":
+                    self.released.wait(10)
+                    return
+                time.sleep(0.01)
+                out.put(_rows(tag, step))
+
+        def read():
+            try:
+                self._read(request_iterator, out, play)
+            except grpc.RpcError:
+                pass  # the gateway closed the stream
+
+        threading.Thread(target=read, daemon=True).start()
+        while context.is_active():
+            try:
+                item = out.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(item, grpc.StatusCode):
+                context.abort(item, "scripted failure")
+            yield item
+
+    def _read(self, request_iterator, out, play):
+        for msg in request_iterator:
+            if msg.HasField("admit"):
+                self.admits.append(msg.admit.request_id)
+                result = worker_pb2.AdmitResult(tag=msg.admit.tag, slot=3, rank=self.rank)
+                if self.refuse_first is not None:
+                    result.code, result.message = self.refuse_first.value[0], "scripted"
+                    self.refuse_first = None
+                out.put(worker_pb2.SessionEvent(admitted=result))
+                if self.rank == 0 and result.code == 0:
+                    threading.Thread(target=play, args=(msg.admit.tag,), daemon=True).start()
+            else:
+                self.releases.append((msg.release.slot, msg.release.request_id))
+                self.released.set()
 
     def Info(self, request, context):
         return worker_pb2.WorkerInfo(
             rank=self.rank, tp_size=2, num_slots=self.num_slots, max_model_len=64, serving=True,
             vocab_fingerprint=self.vocab.fingerprint, vocab_size=self.vocab.vocab_size)
+
+
+def _rows(tag, tokens, reason=None):
+    row = worker_pb2.RowUpdate(tag=tag, token_ids=tokens)
+    if reason is not None:
+        row.finished.reason = reason
+    return worker_pb2.SessionEvent(step=worker_pb2.StepUpdate(rows=[row]))
 
 
 class Group:
@@ -123,6 +155,13 @@ def test_workers_get_a_unique_id_for_a_reused_client_request_id(system, vocab):
     assert len(ids) == 2 and ids[0] != ids[1] and _admitted(group.ranks[0]) == ["r1", "r1"]
 
 
+def _wait_released(rank, expected, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while _released(rank) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _released(rank) == expected
+
+
 def _ids(vocab, text):
     return vocab.encode(text, add_special_tokens=False)
 
@@ -139,7 +178,9 @@ def test_group_failing_after_tokens_is_unavailable_and_released_on_every_rank(sy
         _collect(stub)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "not retried" in info.value.details()
-    assert all(_released(r) == [(3, "r1")] for r in group.ranks)
+    # Rank 0's stream is gone (a real rank 0 then releases its session's requests itself);
+    # the follower is told.
+    _wait_released(group.ranks[1], [(3, "r1")])
     assert _admitted(group.ranks[0]) == ["r1"]  # streamed tokens: never sent elsewhere
 
 
@@ -170,7 +211,8 @@ def test_stop_string_ends_the_request_and_releases_every_rank(system, vocab):
     final = out[-1].final
     assert final.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
     assert final.text == "hello " == "".join(r.delta.text for r in out[:-1])
-    assert all(_released(r) == [(3, "r1")] for r in group.ranks)
+    for r in group.ranks:
+        _wait_released(r, [(3, "r1")])
 
 
 def test_client_cancel_releases_every_rank(system, vocab):
@@ -179,11 +221,8 @@ def test_client_cancel_releases_every_rank(system, vocab):
     call = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="c1"), timeout=10)
     next(call)  # the first delta: the request runs
     call.cancel()
-    assert group.ranks[1].released.wait(5)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not all(r.releases for r in group.ranks):
-        time.sleep(0.02)
-    assert all(_released(r) == [(3, "c1")] for r in group.ranks)
+    for r in group.ranks:
+        _wait_released(r, [(3, "c1")])
 
 
 def test_group_failing_health_checks_is_taken_out_and_put_back(system, vocab):
@@ -213,7 +252,7 @@ def test_full_queue_is_resource_exhausted(system, vocab):
     next(running)  # holds the only slot before the second request arrives
     queued = stub.Generate(gateway_pb2.GenerateRequest(prompt="b", request_id="b"), timeout=10)
     deadline = time.monotonic() + 5
-    while gw.servicer._router.queue_depth < 1 and time.monotonic() < deadline:
+    while gw._parts["servicer"]._router.queue_depth < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
     with pytest.raises(grpc.RpcError) as info:
         _collect(stub)
