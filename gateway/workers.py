@@ -49,16 +49,22 @@ class RankLink:
         self._stub = stub
         self.name = name
         self._call = None
-        self._reader: asyncio.Task | None = None
+        self._outbox: asyncio.Queue | None = None
+        self._tasks: list[asyncio.Task] = []
         self._tags = itertools.count(1)
         self._admits: dict[int, asyncio.Future] = {}
         self._rows: dict[int, asyncio.Queue] = {}
         self._abandoned: dict[int, str] = {}  # tag -> request id of admissions given up on
 
     def _ensure_open(self) -> None:
+        # grpc.aio allows one write at a time on a stream: every message goes through one
+        # writer task, in order.
         if self._call is None:
-            self._call = self._stub.Session()
-            self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
+            self._call = call = self._stub.Session()
+            self._outbox = outbox = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._read(call)),
+                           loop.create_task(self._write(call, outbox))]
 
     async def admit(self, req: worker_pb2.AdmitRequest, rows: asyncio.Queue | None,
                     timeout: float | None) -> tuple[int, int]:
@@ -73,18 +79,14 @@ class RankLink:
         self._admits[tag] = future
         if rows is not None:
             self._rows[tag] = rows
+        self._outbox.put_nowait(worker_pb2.SessionRequest(admit=msg))
         try:
-            await self._call.write(worker_pb2.SessionRequest(admit=msg))
             result = await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:
             self._rows.pop(tag, None)
             self._abandoned[tag] = req.request_id  # released if its answer still comes
             raise AdmitFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"{self.name} did not answer the admission in time") from None
-        except grpc.RpcError as exc:
-            self._rows.pop(tag, None)
-            raise AdmitFailed(grpc.StatusCode.UNAVAILABLE,
-                              f"{self.name}: {exc.code().name}") from None
         finally:
             self._admits.pop(tag, None)
         if result.code != 0:
@@ -97,19 +99,19 @@ class RankLink:
         self._rows.pop(tag, None)
 
     def release(self, slot: int, request_id: str) -> None:
-        """Queue a Release on this rank's stream (fire and forget; never blocks)."""
-        if self._call is None:
-            return
-        msg = worker_pb2.SessionRequest(
-            release=worker_pb2.ReleaseRequest(slot=slot, request_id=request_id))
-        asyncio.get_running_loop().create_task(self._write_quietly(self._call, msg))
+        """Queue a Release on this rank's stream (fire and forget; never blocks). Without a
+        stream there is nothing to do: a rank releases a closed session's requests itself."""
+        if self._outbox is not None:
+            self._outbox.put_nowait(worker_pb2.SessionRequest(
+                release=worker_pb2.ReleaseRequest(slot=slot, request_id=request_id)))
 
-    @staticmethod
-    async def _write_quietly(call, msg) -> None:
+    async def _write(self, call, outbox: asyncio.Queue) -> None:
         try:
-            await call.write(msg)
-        except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError):
-            pass  # the stream is gone: the rank released the session's requests itself
+            while True:
+                await call.write(await outbox.get())
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            log.warning("writing to %s failed: %s", self.name, exc)
+            call.cancel()  # the reader sees the end and fails what waits
 
     async def _read(self, call) -> None:
         try:
@@ -130,13 +132,17 @@ class RankLink:
                         request_id = self._abandoned.pop(result.tag)
                         if result.code == 0:
                             self.release(result.slot, request_id)
+            log.warning("stream to %s ended by the rank", self.name)
         except grpc.RpcError as exc:
             log.warning("stream to %s broke: %s", self.name, exc.code().name)
         except asyncio.CancelledError:
             pass
         finally:
             if self._call is call:
-                self._call = None
+                self._call = self._outbox = None
+                for task in self._tasks:
+                    if task is not asyncio.current_task():
+                        task.cancel()
             self._fail_waiting(f"the stream to {self.name} ended")
 
     def _fail_waiting(self, why: str) -> None:
@@ -150,8 +156,7 @@ class RankLink:
     async def close(self) -> None:
         if self._call is not None:
             self._call.cancel()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 class GroupClient:

@@ -181,3 +181,53 @@ def test_dead_end_fails_one_request_and_spares_the_others(tmp_path, model_dir):
     assert h.vocab.decode(out["dead"].tokens) == "a"
     assert out["free"].tokens == solo.tokens
     assert h.table.in_use() == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_steps_with_prefill_chunks_give_the_tokens_of_requests_run_alone(model_dir, temperature):
+    """Prompts of very different lengths arrive while others decode, under a small step
+    budget, so most steps carry prefill chunks beside decode rows: every request's tokens
+    equal the same request run alone on an idle engine (greedy and seeded sampling)."""
+    busy = EngineHarness(model_dir, slots=6, step_tokens=16)
+    lengths = [3, 40, 7, 65, 1, 22, 90, 12]
+    reqs = [make(busy, f"p{i}", prompt=" ".join(f"w{j}" for j in range(n)), seed=100 + i,
+                 temperature=temperature, max_tokens=12, ignore_eos=True)
+            for i, n in enumerate(lengths)]
+    together = busy.run(reqs)
+    solo = EngineHarness(model_dir, slots=1, step_tokens=512)
+    for r in reqs:
+        again = make(solo, r.request_id, seed=r.seed, temperature=temperature, max_tokens=12,
+                     ignore_eos=True)
+        again.prompt = list(r.prompt)
+        alone = solo.run([again])[r.request_id]
+        assert together[r.request_id].tokens == alone.tokens, r.request_id
+        assert len(alone.tokens) == 12
+
+
+def test_choice_with_max_tokens_1_finishes_grammar_completed(harness):
+    """A one-token choice answer ends with GRAMMAR_COMPLETED at once (the grammar can only
+    end), not LENGTH because max_tokens was reached."""
+    compiler = xgr.GrammarCompiler(harness.vocab.tokenizer_info(), max_threads=1)
+    # Single characters: each answer has exactly one tokenization, one token long.
+    grammar = compiler.compile_grammar('root ::= "a" | "b" | "c"')
+    for seed in range(4):
+        out = harness.run([make(harness, f"one{seed}", seed=seed, max_tokens=1,
+                                compiled=grammar)])[f"one{seed}"]
+        assert out.reason == GRAMMAR_COMPLETED and text(harness, out) in ("a", "b", "c")
+
+
+def test_json_answer_ends_the_step_its_grammar_closes(harness):
+    """The request finishes with the token that closes the JSON object: no extra step to
+    sample the end of sequence, and no end token in the output."""
+    compiler = xgr.GrammarCompiler(harness.vocab.tokenizer_info(), max_threads=1)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    grammar = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+    for seed in range(5):
+        out = harness.run([make(harness, f"j{seed}", seed=seed, max_tokens=40,
+                                compiled=grammar)])[f"j{seed}"]
+        assert out.reason == GRAMMAR_COMPLETED
+        assert json.loads(text(harness, out)) in ({"ok": True}, {"ok": False})
+        assert text(harness, out).endswith("}")
+        # Every output token is part of the text: the last one closed the object.
+        assert harness.vocab.decode(out.tokens[:-1]) != text(harness, out)
