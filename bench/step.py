@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gpu_worker.runtime.cuda_graphs import StepGraphs
 from gpu_worker.runtime.loader import load_model
 from gpu_worker.runtime.model import ForwardBatch, Transformer
 from gpu_worker.runtime.parallel import TPGroup
@@ -119,29 +120,40 @@ def time_decode_step(model: Transformer, batch: int, *, context: int, steps: int
 
 
 def _graph_runner(model: Transformer, batch: int, context: int) -> Callable[[int, Tensor], Tensor]:
-    device = model.tp.device
-    max_len = model.k_cache.shape[2]
-    static = ForwardBatch.build(list(range(batch)), [context] * batch, [[0]] * batch, device,
-                                decode_window=max_len)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # warm up off the capture stream, as CUDA graphs require
-        for _ in range(3):
-            model(static)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph):
-        out = model(static)
+    # The engine's own graphs (slot attention, graphs keyed by token count).
+    graphs = StepGraphs(model, batch, batch, scratch_slot=model.k_cache.shape[1] - 1)
+    slots = list(range(batch))
 
     def run(i: int, tokens: Tensor) -> Tensor:
-        pos = torch.full((batch,), context + i, dtype=torch.int64)
-        static.input_ids.copy_(tokens, non_blocking=True)
-        static.positions.copy_(pos, non_blocking=True)
-        static.decode_context.copy_(pos + 1, non_blocking=True)
-        cuda_graph.replay()
-        return out
+        return graphs.run(slots, [context + i] * batch, [[t] for t in tokens.tolist()])
 
     return run
+
+
+def time_mixed_step(model: Transformer, batch: int, chunk: int, *, context: int,
+                    steps: int = 30, warmup: int = 5) -> dict:
+    """Median ms of a graphed step with `batch` decode rows plus one `chunk`-token prefill
+    chunk (slot `batch`), against the same step without the chunk, from the engine's graphs.
+    Returns {"decode_ms", "mixed_ms", "ratio"}."""
+    device = model.tp.device
+    graphs = StepGraphs(model, batch + chunk, batch + 1, scratch_slot=model.k_cache.shape[1] - 1)
+    slots = list(range(batch))
+    out = {}
+    for name, extra in (("decode_ms", 0), ("mixed_ms", chunk)):
+        times = []
+        for i in range(warmup + steps):
+            toks = [[7]] * batch + ([[5] * extra] if extra else [])
+            ss = slots + ([batch] if extra else [])
+            starts = [context] * batch + ([context // 2] if extra else [])
+            _sync(device)
+            t0 = time.perf_counter()
+            graphs.run(ss, starts, toks)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times) * 1e3
+    out["ratio"] = out["mixed_ms"] / out["decode_ms"]
+    return out
 
 
 def time_hf_generate(hf, prompts: Tensor, new_tokens: int) -> dict:
@@ -225,7 +237,7 @@ def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided
     table = SlotTable(slots, is_rank0=True, admit_timeout_s=600)
     engine = Engine(EngineConfig(num_slots=slots, max_model_len=model.k_cache.shape[2],
                                  step_tokens=batch * context + slots, idle_poll_s=0.0,
-                                 cuda_graph_max_batch=slots if graphs else 0,
+                                 cuda_graph_max_tokens=max(slots, 64) if graphs else 0,
                                  mask_fill_threads=fill_threads),
                     model, table, ControlChannel(None, 1), vocab_size=vocab.vocab_size,
                     model_vocab_size=model.config.vocab_size, eos_token_ids=vocab.eos_token_ids,
@@ -261,16 +273,14 @@ def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided
 def check_graph_matches_eager(model: Transformer, batch: int, context: int) -> float:
     """Max |logit difference| between a graph replay and the eager forward of the same
     decode step (slots in shuffled order, so the graph's gather path is exercised)."""
-    from gpu_worker.runtime.cuda_graphs import DecodeGraphs
-
     device = model.tp.device
     slots = list(range(batch))[::-1]
     prompts = torch.randint(0, 1000, (batch, context), generator=torch.Generator().manual_seed(9))
     model(ForwardBatch.build(slots, [0] * batch, prompts.tolist(), device))
     tokens = list(range(1, batch + 1))
     eager = model(ForwardBatch.build(slots, [context] * batch, [[t] for t in tokens], device))
-    graphs = DecodeGraphs(model, batch, scratch_slot=model.k_cache.shape[1] - 1)
-    replay = graphs.run(slots, [context] * batch, tokens)
+    graphs = StepGraphs(model, batch, batch, scratch_slot=model.k_cache.shape[1] - 1)
+    replay = graphs.run(slots, [context] * batch, [[t] for t in tokens])
     return (eager - replay).abs().max().item()
 
 
@@ -316,7 +326,8 @@ def main() -> None:
     max_len = args.context + 64 + args.steps  # room for warm-up and timed steps
     with tempfile.TemporaryDirectory() as tmp:
         hf = write_checkpoint(Path(tmp), shape, dtype, device)
-        model = build_model(Path(tmp), device, dtype, max(batches) + 1, max_len)
+        # + a slot for a prefill chunk and the graphs' scratch slot
+        model = build_model(Path(tmp), device, dtype, max(batches) + 2, max_len)
         if args.tokenizer is not None:
             add_tokenizer(Path(tmp), args.tokenizer)
             if device.type == "cuda":
@@ -347,6 +358,16 @@ def main() -> None:
                                   context=args.context, steps=10, profile=prof)
                 print(f"\n## Profile of 10 engine steps, batch {max(batches)}, guided={guided}")
                 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+        if device.type == "cuda":
+            print("\n## Graphed step: decode rows + one prefill chunk vs decode rows alone")
+            print("| batch | chunk tokens | decode ms | mixed ms | mixed/decode |")
+            print("|---|---|---|---|---|")
+            for batch in batches:
+                for chunk in (16, 64):
+                    m = time_mixed_step(model, batch, chunk, context=args.context,
+                                        steps=args.steps)
+                    print(f"| {batch} | {chunk} | {m['decode_ms']:.2f} | {m['mixed_ms']:.2f} | "
+                          f"{m['ratio']:.2f} |", flush=True)
         if args.skip_forward_table:
             return
     print(f"# device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "

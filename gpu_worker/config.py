@@ -32,7 +32,7 @@ class WorkerConfig:
     divergence_check_every: int
     grammar_cache_bytes: int
     torch_threads: int
-    cuda_graph_max_batch: int
+    cuda_graph_max_tokens: int
     mask_fill_threads: int
     tls_cert: str
     tls_key: str
@@ -52,7 +52,7 @@ class WorkerConfig:
             (self.admit_timeout_s > 0, "admit-timeout", "must be > 0"),
             (self.collective_timeout_s > 0, "collective-timeout", "must be > 0"),
             (self.divergence_check_every >= 0, "divergence-check-every", "must be >= 0"),
-            (self.cuda_graph_max_batch >= 0, "cuda-graph-max-batch", "must be >= 0"),
+            (self.cuda_graph_max_tokens >= 0, "cuda-graph-max-tokens", "must be >= 0"),
             (self.mask_fill_threads >= 0, "mask-fill-threads", "must be >= 0"),
             (self.grammar_cache_bytes > 0, "grammar-cache-bytes", "must be > 0"),
             (bool(self.tls_cert) == bool(self.tls_key), "tls-cert", "needs --tls-key (and back)"),
@@ -103,9 +103,9 @@ def parser() -> argparse.ArgumentParser:
                    help="byte bound of this rank's compiled-grammar cache")
     p.add_argument("--torch-threads", type=int, default=e("torch_threads", 0),
                    help="CPU threads for torch (0 = cores / tp)")
-    p.add_argument("--cuda-graph-max-batch", type=int, default=e("cuda_graph_max_batch", 64),
-                   help="CUDA: replay decode steps of up to this many sequences from CUDA "
-                        "graphs (0 = eager)")
+    p.add_argument("--cuda-graph-max-tokens", type=int, default=e("cuda_graph_max_tokens", 512),
+                   help="CUDA: replay steps of up to this many new tokens (decode and prefill "
+                        "alike) from CUDA graphs captured at start-up (0 = eager)")
     p.add_argument("--mask-fill-threads", type=int, default=e("mask_fill_threads", 0),
                    help="threads filling the guided rows' bitmasks (0 = one per core)")
     p.add_argument("--tls-cert", default=e("tls_cert", ""), help="server certificate PEM file")

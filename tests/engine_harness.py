@@ -43,7 +43,7 @@ class EngineHarness:
         self._outputs: list = []
         self.engine = Engine(
             EngineConfig(num_slots=slots, max_model_len=max_model_len, step_tokens=step_tokens,
-                         idle_poll_s=0.0, cuda_graph_max_batch=slots),
+                         idle_poll_s=0.0, cuda_graph_max_tokens=step_tokens),
             model, self.table, ControlChannel(None, 1), vocab_size=self.vocab.vocab_size,
             model_vocab_size=model.config.vocab_size, eos_token_ids=self.vocab.eos_token_ids,
             device=device, publish=self._outputs.extend)

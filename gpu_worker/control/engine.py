@@ -137,9 +137,10 @@ class EngineConfig:
     step_tokens: int = 512           # per-step token budget (decode tokens + prefill chunks)
     divergence_check_every: int = 1  # 0 disables the check
     idle_poll_s: float = 0.005
-    # CUDA only: replay all-decode steps of up to this many sequences from captured graphs
-    # (0 = eager). The model's KV cache needs one slot more than num_slots (the scratch slot).
-    cuda_graph_max_batch: int = 0
+    # CUDA only: replay steps of up to this many new tokens (decode rows and prefill chunks
+    # alike) from captured graphs (0 = eager). The model's KV cache needs one slot more than
+    # num_slots (the scratch slot).
+    cuda_graph_max_tokens: int = 0
     mask_fill_threads: int = 0       # xgrammar's batch fill threads (0 = one per core)
 
 
@@ -174,11 +175,15 @@ class Engine:
         # One bitmask row on the host for the "can the grammar only end here?" check.
         self._end_row = torch.empty((1, self.masks.width), dtype=torch.int32)
         self.graphs = None
-        if device.type == "cuda" and cfg.cuda_graph_max_batch > 0:
-            from gpu_worker.runtime.cuda_graphs import DecodeGraphs
+        # On CUDA every token attends through slot attention, so mixed steps replay graphs too.
+        self.slot_attention = device.type == "cuda"
+        if device.type == "cuda" and cfg.cuda_graph_max_tokens > 0:
+            from gpu_worker.runtime.cuda_graphs import StepGraphs
 
-            self.graphs = DecodeGraphs(model, min(cfg.cuda_graph_max_batch, cfg.num_slots),
-                                       scratch_slot=cfg.num_slots)
+            self.graphs = StepGraphs(model, cfg.cuda_graph_max_tokens, cfg.num_slots,
+                                     scratch_slot=cfg.num_slots)
+            with torch.inference_mode():
+                self.graphs.capture_all()
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -266,11 +271,12 @@ class Engine:
         if fresh:
             self._submit_fill(fresh)
         slots, starts = [s.run.slot for s in seqs], [s.run.kv_len for s in seqs]
-        if self.graphs is not None and not any(s.prefill for s in seqs) and \
-                self.graphs.fits(len(seqs)):
-            logits = self.graphs.run(slots, starts, [s.tokens[0] for s in seqs])  # (S, V)
+        tokens = [s.tokens for s in seqs]
+        if self.graphs is not None and self.graphs.fits(sum(map(len, tokens))):
+            logits = self.graphs.run(slots, starts, tokens)             # (S, V) fp32
         else:
-            batch = ForwardBatch.build(slots, starts, [s.tokens for s in seqs], self.device)
+            batch = ForwardBatch.build(slots, starts, tokens, self.device,
+                                       slot_attention=self.slot_attention)
             logits = self.model(batch)                                  # (S, V) fp32
         for s in seqs:
             if s.prefill:

@@ -379,7 +379,7 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
         eng.EngineConfig(num_slots=cfg.slots, max_model_len=cfg.max_model_len,
                          step_tokens=cfg.step_tokens,
                          divergence_check_every=cfg.divergence_check_every,
-                         cuda_graph_max_batch=cfg.cuda_graph_max_batch,
+                         cuda_graph_max_tokens=cfg.cuda_graph_max_tokens,
                          mask_fill_threads=cfg.mask_fill_threads),
         model, table, ControlChannel(control_group, cfg.tp),
         vocab_size=vocab.vocab_size, model_vocab_size=model.config.vocab_size,

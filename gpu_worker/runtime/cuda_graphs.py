@@ -1,10 +1,14 @@
-"""CUDA-graph replay of all-decode steps.
+"""CUDA-graph replay of whole steps: decode rows and prefill chunks alike.
 
-An eager decode step of a small model is bound by kernel launches (hundreds per step); a
-captured graph replays them in one launch. One graph per padded batch size (1, 2, 4, ... up to
-`max_batch`), captured on first use; padding rows decode a dummy token into a scratch slot
-that no request owns, and their logits are dropped. Every rank sees the same batches, so every
-rank captures the same graphs at the same step (collectives inside a capture must match).
+An eager step of a small model is bound by kernel launches (hundreds per step); a captured
+graph replays them in one launch. With slot attention (attention_kernel.py) a step is N new
+tokens, each with its own slot, position and context length, whatever mix of decode rows and
+prefill chunks they form, so one graph per padded token count serves every step of that size:
+prefill never forces a step off the graph. Token counts are padded up to the next bucket;
+padding tokens write a dummy key into a scratch slot that no request owns. Each graph returns
+the logits of up to `min(bucket, max_seqs)` rows, one per sequence (its last new token); the
+rest are dropped. Every rank sees the same batches, so every rank captures the same graphs in
+the same order (collectives inside a capture must match): `capture_all` at start-up.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from torch import Tensor
 
 from gpu_worker.runtime.model import ForwardBatch
 
+# Token-count buckets: fine steps where decode batches live, coarser above (padding ≤ 25 %).
+_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+            320, 384, 448, 512, 640, 768, 896, 1024)
+
 
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: Tensor, out: Tensor):
@@ -22,56 +30,65 @@ class _Graph:
         self.staging = torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
 
 
-class DecodeGraphs:
-    """Replays all-decode steps of `model` through captured CUDA graphs.
+class StepGraphs:
+    """Replays steps of up to `max_tokens` new tokens and `max_seqs` sequences of `model`.
 
-    `scratch_slot` is a KV-cache slot reserved for padding rows (the model's cache must have
-    it). `run` returns the (n, vocab) logits, a view into the graph's static output that the
-    next replay overwrites.
+    `scratch_slot` is a KV-cache slot reserved for padding tokens (the model's cache must have
+    it). `run` returns the (S, vocab) logits of the step's S sequences, a view into the
+    graph's static output that the next replay overwrites.
     """
 
-    def __init__(self, model, max_batch: int, scratch_slot: int):
+    def __init__(self, model, max_tokens: int, max_seqs: int, scratch_slot: int):
         self.model = model
+        self.max_seqs = max_seqs
         self.scratch_slot = scratch_slot
-        self.max_len = model.k_cache.shape[2]
         self.device = model.tp.device
-        sizes, b = [], 1
-        while b < max_batch:
-            sizes.append(b)
-            b *= 2
-        self.sizes = [*sizes, max_batch]
+        self.sizes = [b for b in _BUCKETS if b < max_tokens] + [max_tokens]
         self.graphs: dict[int, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def fits(self, n: int) -> bool:
-        return n <= self.sizes[-1]
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.sizes[-1]
 
-    def run(self, slots: list[int], starts: list[int], tokens: list[int]) -> Tensor:
-        n = len(slots)
+    def capture_all(self) -> None:
+        """Capture every bucket now (largest first, so smaller ones reuse its pool memory)."""
+        for size in reversed(self.sizes):
+            if size not in self.graphs:
+                self._capture(size)
+
+    def run(self, slots: list[int], starts: list[int], new_tokens: list[list[int]]) -> Tensor:
+        n = sum(len(t) for t in new_tokens)
         size = next(s for s in self.sizes if s >= n)
         g = self.graphs.get(size) or self._capture(size)
+        ids, positions, token_slots, last = [], [], [], []
+        for slot, start, tokens in zip(slots, starts, new_tokens, strict=True):
+            ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            token_slots.extend([slot] * len(tokens))
+            last.append(len(ids) - 1)
         pad = size - n
-        positions = starts + [0] * pad
+        context = [p + 1 for p in positions] + [1] * pad
         # The previous step ended with a device sync, so the staging buffer is free.
-        g.staging.copy_(torch.tensor([tokens + [0] * pad, positions,
-                                      slots + [self.scratch_slot] * pad,
-                                      [p + 1 for p in positions]], dtype=torch.int64))
+        g.staging.copy_(torch.tensor([ids + [0] * pad, positions + [0] * pad,
+                                      token_slots + [self.scratch_slot] * pad, context,
+                                      last + [0] * (size - len(last))], dtype=torch.int64))
         g.inputs.copy_(g.staging, non_blocking=True)
         g.graph.replay()
-        return g.out[:n]
+        return g.out[:len(slots)]
 
     def _capture(self, size: int) -> _Graph:
-        # A static batch over distinct placeholder slots, its tensors then pointed at one
-        # (4, size) input buffer: ids, positions, slots, context lengths.
-        batch = ForwardBatch.build(list(range(size)), [0] * size, [[0]] * size, self.device,
-                                   decode_window=self.max_len)
-        inputs = torch.zeros((4, size), dtype=torch.int64, device=self.device)
+        # A static batch whose tensors point at one (5, size) input buffer: ids, positions,
+        # slots, contexts, last index. Its host-side lists (one placeholder token in the
+        # scratch slot) only pass the forward's checks; slot attention reads the tensors.
+        rows = min(size, self.max_seqs)
+        batch = ForwardBatch.build([self.scratch_slot], [0], [[0]], self.device,
+                                   slot_attention=True)
+        inputs = torch.zeros((5, size), dtype=torch.int64, device=self.device)
         inputs[2] = self.scratch_slot
         inputs[3] = 1
         batch.input_ids, batch.positions = inputs[0], inputs[1]
-        batch.token_slots = batch.decode_slots = inputs[2]
-        batch.decode_context = inputs[3]
-        batch.decode_slot_start = None  # always gather by slot index: slots vary per replay
+        batch.token_slots, batch.token_context = inputs[2], inputs[3]
+        batch.last_index = inputs[4, :rows]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up off the capture stream, as capture requires

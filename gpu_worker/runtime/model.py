@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gpu_worker.runtime.attention_kernel import slot_attention
 from gpu_worker.runtime.model_config import ModelConfig
 from gpu_worker.runtime.parallel import (
     ColumnParallelLinear,
@@ -53,6 +54,10 @@ class ForwardBatch:
     decode_context: Tensor  # (D,) int64, context length after this step (start + 1)
     decode_window: int  # keys read per decode sequence: >= max(decode_context)
     prefill_seqs: list[tuple[int, int, int, int, int]]  # (seq, token offset, slot, start, len)
+    # (N,) int64 context length of each new token (position + 1). Set: every token attends
+    # through one slot_attention call per layer (CUDA; any mix of decode and prefill rows,
+    # graph-capturable); None: SDPA per prefill chunk plus one batched decode call.
+    token_context: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -64,7 +69,8 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], new_tokens: list[list[int]],
-              device: torch.device | str, *, decode_window: int | None = None) -> ForwardBatch:
+              device: torch.device | str, *, decode_window: int | None = None,
+              slot_attention: bool = False) -> ForwardBatch:
         """Build the step's tensors (one host-to-device copy per tensor).
 
         `decode_window` fixes the number of keys the batched decode attention reads (a CUDA
@@ -112,7 +118,8 @@ class ForwardBatch:
             decode_slots=tensor(decode_slots), decode_context=tensor(context),
             decode_slot_start=(decode_slots[0] if decode_slots and decode_slots == list(
                 range(decode_slots[0], decode_slots[0] + len(decode_slots))) else None),
-            decode_window=window, prefill_seqs=prefill)
+            decode_window=window, prefill_seqs=prefill,
+            token_context=tensor([p + 1 for p in positions]) if slot_attention else None)
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[Tensor, float]:
@@ -224,6 +231,7 @@ class Attention(nn.Module):
         self.kv_heads = config.num_kv_heads // tp.size
         self.group = self.heads // self.kv_heads  # query heads per KV head
         self.scale = hd ** -0.5
+        self.sliding_window = config.sliding_window
         self.qkv = ColumnParallelLinear(
             config.hidden_size, [config.num_heads * hd, config.num_kv_heads * hd,
                                  config.num_kv_heads * hd], tp, config.attention_bias, dtype)
@@ -240,6 +248,10 @@ class Attention(nn.Module):
         index = (batch.token_slots, batch.positions)
         k_cache.index_put_(index, k)
         v_cache.index_put_(index, v.view(n, self.kv_heads, hd))
+        if batch.token_context is not None:  # every token over its own slot, one launch
+            out = slot_attention(q, k_cache, v_cache, batch.token_slots, batch.token_context,
+                                 scale=self.scale, sliding_window=self.sliding_window)
+            return self.o(out.view(n, self.heads * hd))
         if batch.decode_token_index is None:  # every sequence decodes: q is already (D, H, hd)
             return self.o(self._decode(q, batch, masks.decode, k_cache, v_cache))
         out = q.new_empty(n, self.heads * hd)  # (N, H * hd)
@@ -363,7 +375,7 @@ class Transformer(nn.Module):
             raise ValueError(f"slot {max(batch.slots)} does not exist ({num_slots} slots)")
         h = self.embed(batch.input_ids)  # (N, hidden)
         cos, sin = self._rope(batch.positions)
-        masks = self._masks(batch)
+        masks = self._masks(batch) if batch.token_context is None else _StepMasks(None, [])
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch, masks, self.k_cache[i], self.v_cache[i])
         if batch.last_index is not None:
