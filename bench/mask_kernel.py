@@ -27,7 +27,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_worker import mask_kernel  # noqa: E402
+from gpu_worker.guided import mask_kernel  # noqa: E402
 from gpu_worker.guided.mask_kernel import KernelConfig, apply_token_bitmask_  # noqa: E402
 from gpu_worker.guided.mask_reference import (  # noqa: E402
     apply_token_bitmask_reference_,

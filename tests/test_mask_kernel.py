@@ -7,7 +7,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in th
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from gpu_worker import mask_kernel  # noqa: E402
+from gpu_worker.guided import mask_kernel  # noqa: E402
 from gpu_worker.guided.mask_kernel import KernelConfig, apply_token_bitmask_  # noqa: E402
 from gpu_worker.guided.mask_reference import (  # noqa: E402
     apply_token_bitmask_reference_,
