@@ -65,11 +65,17 @@ class Cancelled(ServiceError):
     code = grpc.StatusCode.CANCELLED
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status a servicer's exception becomes: its own for a ServiceError, else INTERNAL
+    (logged with its traceback)."""
     if isinstance(exc, ServiceError):
-        context.abort(exc.code, str(exc))
+        return exc.code, str(exc)
     log.exception("unhandled error in rpc")
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+    context.abort(*_status(exc))
 
 
 class _ErrorMapper(grpc.ServerInterceptor):
@@ -120,11 +126,7 @@ class _AioErrorMapper(grpc.aio.ServerInterceptor):
             return None
 
         async def _abort_aio(context, exc):
-            if isinstance(exc, ServiceError):
-                await context.abort(exc.code, str(exc))
-            log.exception("unhandled error in rpc")
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"internal error: {type(exc).__name__}: {exc}")
+            await context.abort(*_status(exc))
 
         def wrap_unary(fn):
             async def call(request, context):
@@ -179,15 +181,7 @@ async def create_aio_server(
         add(servicer, server)
         names.append(name)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-    address = f"{host}:{port}"
-    if tls:
-        cert_chain, private_key = tls
-        bound = server.add_secure_port(
-            address, grpc.ssl_server_credentials([(private_key, cert_chain)]))
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise RuntimeError(f"cannot bind {address}")
+    bound = _bind(server, f"{host}:{port}", tls)
     await server.start()
     await set_serving_aio(health_servicer, names[1:], True)
     return server, bound, health_servicer
@@ -235,7 +229,15 @@ def create_server(
         add(servicer, server)
         names.append(name)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-    address = f"{host}:{port}"
+    bound = _bind(server, f"{host}:{port}", tls)
+    server.start()
+    for name in ["", *names[1:]]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
+
+
+def _bind(server, address: str, tls: tuple[bytes, bytes] | None) -> int:
+    """Add the listening port (TLS when `tls` is (cert chain, key)); return the bound port."""
     if tls:
         cert_chain, private_key = tls
         bound = server.add_secure_port(
@@ -244,10 +246,7 @@ def create_server(
         bound = server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"cannot bind {address}")
-    server.start()
-    for name in ["", *names[1:]]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound, health_servicer
+    return bound
 
 
 def set_serving(health_servicer, names: Iterable[str], serving: bool) -> None:
