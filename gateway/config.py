@@ -41,6 +41,10 @@ class GatewayConfig:
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 50051
+    # The OpenAI-compatible HTTP front (gateway/openai_api.py): -1 off, 0 a free port. The
+    # flag defaults to 8000; a config built in code serves no HTTP unless asked.
+    http_port: int = -1
+    http_host: str | None = None  # None: the gRPC host
     max_queue: int = 64
     metrics_port: int = -1
     health_interval: float = 2.0
@@ -56,6 +60,8 @@ class GatewayConfig:
             raise ValueError("at least one --group is required")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be -1 (off) or in [0, 65535], got {self.http_port}")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.health_interval <= 0:
@@ -74,7 +80,8 @@ class GatewayConfig:
         """Build from the namespace of a parser set up by `add_gateway_args`."""
         return cls(
             grammar_service=ns.grammar_service, groups=parse_groups(ns.group),
-            model=ns.model or None, host=ns.host, port=ns.port, max_queue=ns.max_queue,
+            model=ns.model or None, host=ns.host, port=ns.port, http_port=ns.http_port,
+            http_host=ns.http_host or None, max_queue=ns.max_queue,
             metrics_port=ns.metrics_port, health_interval=ns.health_interval,
             max_request_bytes=ns.max_request_bytes, tls_cert=ns.tls_cert or None,
             tls_key=ns.tls_key or None, tls_ca=ns.tls_ca or None)
@@ -101,6 +108,11 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="address to listen on (GRAMSERVE_HOST)")
     p.add_argument("--port", type=int, default=env_default("port", 50051),
                    help="gRPC port; 0 picks a free one (GRAMSERVE_PORT)")
+    p.add_argument("--http-port", type=int, default=env_default("http_port", 8000),
+                   help="OpenAI-compatible HTTP API port; -1 off, 0 a free one "
+                        "(GRAMSERVE_HTTP_PORT)")
+    p.add_argument("--http-host", default=env_default("http_host", ""),
+                   help="HTTP listen address; empty: the same as --host (GRAMSERVE_HTTP_HOST)")
     p.add_argument("--grammar-service", default=env_default("grammar_service", ""),
                    help="grammar service address host:port (GRAMSERVE_GRAMMAR_SERVICE)")
     p.add_argument("--group", action="append", default=[env_groups] if env_groups else None,

@@ -4,7 +4,8 @@ The whole gateway runs on one asyncio event loop (grpc.aio): every client stream
 not a thread, and the worker groups are reached over one Session stream per rank
 (gateway/workers.py). `create_server(config)` starts that loop on its own thread and builds
 everything on it (worker links, health monitor, gRPC server); `main(argv)` is
-`gramserve gateway`.
+`gramserve gateway`. The OpenAI-compatible HTTP API (gateway/openai_api.py) is a uvicorn
+task on the same loop, over `GatewayServicer.generate`, the path gRPC's Generate takes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig, add_gateway_args
 from gateway.generation import Job, Runner, service_error
 from gateway.metrics import GatewayMetrics
+from gateway.openai_api import create_app, start_http, stop_http
 from gateway.router import GroupState, Router
 from gateway.validation import (
     Limits,
@@ -83,10 +86,37 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request, context):
         arrived = time.monotonic()
+        async for response in self.generate(request, context.time_remaining(), arrived):
+            yield response
+
+    async def CompileGrammar(self, request, context):
+        self._check_model(request.model)
+        if constraint_kind(request.constraint) == "none":
+            raise InvalidArgument("no constraint kind is set", field="constraint")
+        validate_constraint(request.constraint)
+        ref = await self._compile(request.constraint, context.time_remaining())
+        return gateway_pb2.CompileGrammarResponse(
+            key=ref.key, kind=ref.kind, cached=ref.cached, compile_seconds=ref.compile_seconds,
+            unenforced_keywords=list(ref.unenforced_keywords))
+
+    async def ListModels(self, request, context):
+        return gateway_pb2.ListModelsResponse(models=[self.model_info()])
+
+    # -- the API both fronts share (gRPC above, HTTP in gateway/openai_api.py) ----------------
+
+    async def generate(self, request: gateway_pb2.GenerateRequest, remaining: float | None,
+                       arrived: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Validate, tokenise, compile and run one request: its deltas, then its final.
+
+        `remaining` is the caller's deadline in seconds from `arrived` (None: no deadline).
+        Raises ServiceError (InvalidArgument naming the field, NotFound for another model,
+        ResourceExhausted, Unavailable, DeadlineExceeded); counts the request's metrics.
+        """
+        arrived = time.monotonic() if arrived is None else arrived
         kind = constraint_kind(request.constraint)
         status = "CANCELLED"  # unless the stream ends otherwise (a cancelled task is one)
         try:
-            job = await self._job(request, context, arrived, kind)
+            job = await self._job(request, arrived, kind, remaining)
             async for response in self._runner.run(job):
                 yield response
             status = "OK"
@@ -102,30 +132,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._metrics.requests.labels(kind, status).inc()
             self._metrics.request_seconds.observe(time.monotonic() - arrived)
 
-    async def CompileGrammar(self, request, context):
-        self._check_model(request.model)
-        if constraint_kind(request.constraint) == "none":
-            raise InvalidArgument("no constraint kind is set", field="constraint")
-        validate_constraint(request.constraint)
-        ref = await self._compile(request.constraint, context.time_remaining())
-        return gateway_pb2.CompileGrammarResponse(
-            key=ref.key, kind=ref.kind, cached=ref.cached, compile_seconds=ref.compile_seconds,
-            unenforced_keywords=list(ref.unenforced_keywords))
-
-    async def ListModels(self, request, context):
+    def model_info(self) -> gateway_pb2.ModelInfo:
+        """The one served model: id, vocabulary, context length (0 until a group reports)."""
         groups = self._router.groups
         known = [g.max_model_len for g in groups if g.max_model_len]
-        return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelInfo(
+        return gateway_pb2.ModelInfo(
             id=self._model_id, vocab_size=self._vocab.vocab_size,
             max_model_len=min(known) if known else 0, groups=len(groups),
-            tp_size=len(groups[0].addresses))])
+            tp_size=len(groups[0].addresses))
+
+    def ready(self) -> bool:
+        """Whether at least one worker group passes its health checks."""
+        return bool(self._router.healthy_groups())
 
     async def close(self) -> None:
         await self._grammar_channel.close()
 
     # -- steps ----------------------------------------------------------------------------
 
-    async def _job(self, request, context, arrived: float, kind: str) -> Job:
+    async def _job(self, request, arrived: float, kind: str, remaining: float | None) -> Job:
         validate_request(request, self._limits)
         self._check_model(request.model)
         if len(request.prompt) + sum(len(m.content) for m in request.messages) \
@@ -140,7 +165,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             sampling.seed = secrets.randbits(63)
         stops, include_stop = list(sampling.stop), sampling.include_stop_str_in_output
         del sampling.stop[:]  # stop strings are the gateway's; the worker ignores them
-        remaining = context.time_remaining()
         deadline = arrived + remaining if remaining is not None else None
         # Workers tag slots with the request id, so it must be unique across every client and
         # gateway sharing a group: a client's own id gets a suffix (the client sees its id).
@@ -198,6 +222,7 @@ class Gateway:
 
     port: int
     metrics_port: int
+    http_port: int
     loop: asyncio.AbstractEventLoop
     thread: threading.Thread
     _parts: dict = field(default_factory=dict)
@@ -214,6 +239,8 @@ class Gateway:
 
     async def _stop(self, grace: float) -> None:
         p = self._parts
+        if p.get("http") is not None:
+            await stop_http(*p["http"], grace)
         await p["server"].stop(grace)
         await p["monitor"].stop()
         await p["servicer"].close()
@@ -253,6 +280,11 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
     await set_serving_aio(health, [SERVICE_NAME], serving[0])
     gateway.port = port
     gateway._parts.update(server=server, monitor=monitor, servicer=servicer, clients=clients)
+    if config.http_port >= 0:
+        app = create_app(servicer, config.max_request_bytes)
+        http_server, http_task, gateway.http_port = await start_http(
+            app, config.http_host or config.host, config.http_port)
+        gateway._parts["http"] = (http_server, http_task)
 
 
 def create_server(config: GatewayConfig, registry: CollectorRegistry | None = None) -> Gateway:
@@ -267,7 +299,7 @@ def create_server(config: GatewayConfig, registry: CollectorRegistry | None = No
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="gateway-loop", daemon=True)
     thread.start()
-    gateway = Gateway(port=0, metrics_port=-1, loop=loop, thread=thread)
+    gateway = Gateway(port=0, metrics_port=-1, http_port=-1, loop=loop, thread=thread)
     try:
         asyncio.run_coroutine_threadsafe(_build(config, registry, gateway), loop).result()
     except BaseException:
@@ -296,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gw = create_server(config)
     print(f"gateway listening on {config.host}:{gw.port}"
+          + (f", OpenAI-compatible HTTP on http://{config.http_host or config.host}:"
+             f"{gw.http_port}/v1" if gw.http_port >= 0 else "")
           + (f", metrics on :{gw.metrics_port}/metrics" if gw.metrics_port >= 0 else ""),
           flush=True)
     done = threading.Event()

@@ -8,6 +8,7 @@ system shared by the system-test modules of a session (start-up is slow on 2 cor
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,17 +54,34 @@ class RealSystem:
         self.children.append(child)
         return child
 
-    def add_gateway(self, *extra: str) -> str:
-        """Start a gateway on the group (not waited for); return its address."""
+    def add_gateway(self, *extra: str, group: list[str] | None = None) -> str:
+        """Start a gateway on the group (not waited for); return its address.
+
+        No HTTP API unless `extra` has --http-port (then `http_url` finds its address);
+        `group` points it at other rank addresses.
+        """
         addr = f"127.0.0.1:{free_port()}"
         mport = free_port()
+        http = () if "--http-port" in extra else ("--http-port", "-1")
         self._spawn(f"gateway{len(self.gateways)}", [
             "gateway", "--host", "127.0.0.1", "--port", addr.rsplit(":", 1)[1],
-            "--grammar-service", self.grammar, "--group", ",".join(self.ranks),
-            "--metrics-port", str(mport), "--health-interval", "0.5", *extra])
+            "--grammar-service", self.grammar, "--group", ",".join(group or self.ranks),
+            "--metrics-port", str(mport), "--health-interval", "0.5", *http, *extra])
         self.gateways.append(addr)
         self.gateway_metrics.append(f"http://127.0.0.1:{mport}/metrics")
         return addr
+
+    def http_url(self, gateway: int, timeout: float = 120.0) -> str:
+        """The base URL (`http://host:port`) a gateway printed for its HTTP API."""
+        child = next(c for c in self.children if c.name == f"gateway{gateway}")
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(r"OpenAI-compatible HTTP on (http://\S+?)/v1", child.tail(100_000))
+            if m:
+                return m.group(1)
+            if not child.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway{gateway} has no HTTP API:\n{child.tail()}")
+            time.sleep(0.2)
 
     def wait_serving(self, timeout: float = 180.0) -> None:
         wait_serving([self.grammar, *self.ranks, *self.gateways], self.children, timeout)

@@ -1,0 +1,334 @@
+"""The OpenAI-compatible HTTP API, served on the gateway's own event loop.
+
+`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`
+(liveness) and `GET /ready` (503 while no worker group is healthy). Each request is
+translated (gateway/openai_translate.py) into one GenerateRequest per choice and run through
+`GatewayServicer.generate`, the path the gRPC API takes: same validation, tokenisation,
+compilation, queue, slots and metrics. There is no second request runner.
+
+Why FastAPI on uvicorn: both are maintained, asyncio-native and run as a task on an event
+loop we already own (`uvicorn.Server.serve()` on the gateway loop beside grpc.aio, so an HTTP
+request costs no thread and reaches the Runner without crossing loops); Starlette's
+StreamingResponse gives server-sent events and cancels the handler when the client goes
+away, which releases the slots like a cancelled gRPC stream. Bodies are parsed by hand rather
+than by pydantic models so every error names OpenAI's own field (`param`).
+
+n > 1 runs n requests concurrently (each its own slot and matcher; seeds seed, seed+1, ...).
+A streamed response starts once every choice has produced its first event, so a request the
+gateway refuses (400/404/429/503/504) gets its HTTP status; a failure after that arrives as an
+`{"error": ...}` event before `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from gateway import openai_translate as ot
+from protos import gateway_pb2
+from protos.rpc import ServiceError
+
+log = logging.getLogger(__name__)
+
+
+def _error_response(err: ot.OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _as_openai(exc: BaseException, plan: ot.Plan | None) -> ot.OpenAIError:
+    if isinstance(exc, ot.OpenAIError):
+        return exc
+    if isinstance(exc, ServiceError):
+        return ot.from_service_error(exc, plan)
+    log.error("unhandled error in an HTTP request", exc_info=exc)
+    return ot.OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                          type="server_error", code="internal_error")
+
+
+class _Fanout:
+    """The choices of one request running concurrently; their events on one queue.
+
+    Each choice's generator is drained by its own task from the start, so a choice waiting
+    for a slot never waits on another choice that is not being read.
+    """
+
+    def __init__(self, servicer, plan: ot.Plan):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._pump(i, servicer, r, plan.timeout))
+                       for i, r in enumerate(plan.requests)]
+
+    async def _pump(self, i: int, servicer, request, timeout) -> None:
+        try:
+            async for event in servicer.generate(request, timeout):
+                self._queue.put_nowait((i, event))
+        except Exception as exc:  # the reader decides what the request's answer is
+            self._queue.put_nowait((i, exc))
+
+    async def next(self) -> tuple[int, gateway_pb2.GenerateResponse | Exception]:
+        return await self._queue.get()
+
+    async def close(self) -> None:
+        """Cancel every choice still running (their slots are released) and wait."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(fan: _Fanout, n: int) -> list[gateway_pb2.Final]:
+    finals: list = [None] * n
+    left = n
+    while left:
+        i, event = await fan.next()
+        if isinstance(event, Exception):
+            raise event
+        if event.HasField("final"):
+            ot.check_final(event.final)
+            finals[i] = event.final
+            left -= 1
+    return finals
+
+
+class _ChatStream:
+    """chat.completion.chunk objects for the events of every choice."""
+
+    object = "chat.completion.chunk"
+
+    def __init__(self, plan: ot.Plan, model: str, created: int):
+        self.plan, self.model, self.created = plan, model, created
+        self.finals: list = [None] * len(plan.requests)
+        self._started = [False] * len(plan.requests)
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": self.plan.id, "object": self.object, "created": self.created,
+               "model": self.model, "choices": choices}
+        if self.plan.include_usage:
+            out["usage"] = usage
+        return out
+
+    def _call_id(self, i: int) -> str:
+        return f"call_{self.plan.id[-24:]}_{i}"
+
+    def events(self, i: int, event: gateway_pb2.GenerateResponse) -> list[dict]:
+        tool = self.plan.tool
+        out = []
+        if not self._started[i]:
+            self._started[i] = True
+            first: dict = {"role": "assistant", "content": "" if tool is None else None}
+            if tool is not None and tool.name is not None:
+                first["tool_calls"] = [{"index": 0, "id": self._call_id(i), "type": "function",
+                                        "function": {"name": tool.name, "arguments": ""}}]
+            out.append(self.chunk([self._choice(i, first)]))
+        if event.HasField("delta"):
+            text = event.delta.text
+            if text and tool is None:
+                out.append(self.chunk([self._choice(i, {"content": text})]))
+            elif text and tool.name is not None:
+                out.append(self.chunk([self._choice(i, {"tool_calls": [
+                    {"index": 0, "function": {"arguments": text}}]})]))
+            return out
+        final = event.final
+        ot.check_final(final)
+        self.finals[i] = final
+        calls = ot.tool_calls(final.text, tool, self._call_id(i))
+        if tool is not None and tool.name is None:  # the whole call, once it is known
+            delta = {"tool_calls": [{"index": 0, **c} for c in calls]} if calls \
+                else {"content": final.text}
+            out.append(self.chunk([self._choice(i, delta)]))
+        out.append(self.chunk([self._choice(i, {}, ot.finish_reason(final, calls),
+                                            **ot.schema_fields(final))]))
+        return out
+
+    def _choice(self, i: int, delta: dict, finish: str | None = None, **extra) -> dict:
+        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
+
+
+class _CompletionStream(_ChatStream):
+    """text_completion chunks (the same stream shape as the legacy API's)."""
+
+    object = "text_completion"
+
+    def events(self, i: int, event: gateway_pb2.GenerateResponse) -> list[dict]:
+        if event.HasField("delta"):
+            if not event.delta.text:
+                return []
+            return [self.chunk([{"index": i, "text": event.delta.text, "logprobs": None,
+                                 "finish_reason": None}])]
+        final = event.final
+        ot.check_final(final)
+        self.finals[i] = final
+        return [self.chunk([{"index": i, "text": "", "logprobs": None,
+                             "finish_reason": ot.finish_reason(final, None),
+                             **ot.schema_fields(final)}])]
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream_body(fan: _Fanout, writer: _ChatStream, buffered: list) -> AsyncIterator[str]:
+    try:
+        try:
+            for i, event in buffered:
+                for chunk in writer.events(i, event):
+                    yield _sse(chunk)
+            while None in writer.finals:
+                i, event = await fan.next()
+                if isinstance(event, Exception):
+                    raise event
+                for chunk in writer.events(i, event):
+                    yield _sse(chunk)
+            if writer.plan.include_usage:
+                yield _sse(writer.chunk([], ot.usage(writer.plan, writer.finals)))
+        except Exception as exc:
+            yield _sse(_as_openai(exc, writer.plan).body())
+        yield "data: [DONE]\n\n"
+    finally:
+        await fan.close()
+
+
+def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
+    """The FastAPI application over a GatewayServicer (its `generate`, `model_info`, `ready`)."""
+    app = FastAPI(title="gramserve", description="OpenAI-compatible API of gramserve",
+                  docs_url=None, redoc_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return _error_response(ot.OpenAIError(exc.status_code, str(exc.detail),
+                                              code="not_found" if exc.status_code == 404 else None))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if servicer.ready():
+            return {"status": "ready"}
+        return _error_response(ot.OpenAIError(503, "no healthy worker group",
+                                              type="service_unavailable_error",
+                                              code="no_healthy_group"))
+
+    @app.get("/v1/models")
+    async def models():
+        info = servicer.model_info()
+        return {"object": "list", "data": [{
+            "id": info.id, "object": "model", "created": 0, "owned_by": "gramserve",
+            "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}]}
+
+    async def run(request: Request, translate, writer_cls, choice) -> object:
+        plan = None
+        try:
+            raw = await request.body()
+            if len(raw) > max_request_bytes:
+                raise ot.bad(None, f"the request body is {len(raw)} bytes; the limit is "
+                                   f"{max_request_bytes}")
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise ot.bad(None, f"the request body is not JSON: {exc}") from None
+            plan = translate(body)
+            model = servicer.model_info().id
+            fan = _Fanout(servicer, plan)
+        except Exception as exc:
+            return _error_response(_as_openai(exc, plan))
+        created = int(time.time())
+        n = len(plan.requests)
+        if plan.stream:
+            buffered, seen = [], set()
+            try:
+                while len(seen) < n:  # every choice admitted and producing: headers now
+                    i, event = await fan.next()
+                    if isinstance(event, Exception):
+                        raise event
+                    if event.HasField("final"):
+                        ot.check_final(event.final)
+                    seen.add(i)
+                    buffered.append((i, event))
+            except BaseException as exc:
+                await fan.close()
+                if isinstance(exc, Exception):
+                    return _error_response(_as_openai(exc, plan))
+                raise
+            return StreamingResponse(
+                _stream_body(fan, writer_cls(plan, model, created), buffered),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        work = asyncio.ensure_future(_collect(fan, n))
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client went away: free the slots, answer no one
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return Response(status_code=499)
+            finals = work.result()
+        except Exception as exc:
+            return _error_response(_as_openai(exc, plan))
+        finally:
+            work.cancel()
+            gone.cancel()
+            await fan.close()
+        return {"id": plan.id, "object": choice[0], "created": created, "model": model,
+                "choices": [choice[1](plan, i, f) for i, f in enumerate(finals)],
+                "usage": ot.usage(plan, finals)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await run(request, ot.chat_plan, _ChatStream, ("chat.completion", ot.chat_choice))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run(request, ot.completion_plan, _CompletionStream,
+                         ("text_completion", lambda plan, i, f: ot.completion_choice(i, f)))
+
+    return app
+
+
+async def start_http(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task, int]:
+    """Serve `app` on the running loop at host:port (0: a free port).
+
+    Returns (server, its task, the bound port). The socket is bound here, so a port in use
+    raises RuntimeError instead of ending the process (uvicorn's own bind exits).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"--http-port {port}: cannot bind {host}:{port}: {exc}") from None
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=5, ws="none")
+    server = uvicorn.Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("the HTTP server stopped during start-up")
+        await asyncio.sleep(0.01)
+    return server, task, bound
+
+
+async def stop_http(server: uvicorn.Server, task: asyncio.Task, grace: float) -> None:
+    """Stop accepting, let running requests finish for up to `grace` seconds."""
+    server.config.timeout_graceful_shutdown = grace
+    server.should_exit = True
+    try:
+        await asyncio.wait_for(task, grace + 5)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        task.cancel()

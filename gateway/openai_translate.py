@@ -1,0 +1,568 @@
+"""OpenAI request bodies → GenerateRequests, and Finals → OpenAI response objects.
+
+Plain Python (no HTTP, no grpc): `gateway/openai_api.py` serves it. Every request becomes the
+same `GenerateRequest` the gRPC API takes (one per choice), so validation, tokenisation and
+compilation are the gateway's one path; this module only translates, and names OpenAI's
+field (`param`) in every error, including errors the shared path raises about proto fields.
+
+Supported, beyond the plain sampling fields:
+- `response_format`: `text`, `json_object`, `json_schema` (`strict` → GrammarOptions.strict).
+- `structured_outputs` (extension, in the style of vLLM's): exactly one of `json` (a schema),
+  `regex`, `grammar` (EBNF, xgrammar dialect), `choice` (list of strings), `json_object`
+  (true), `structural_tag` (object or JSON text); plus `whitespace`
+  (`bounded` | `compact` | `any`) for the JSON kinds.
+- `tools` with `tool_choice` `"required"` or `{"type": "function", "function": {"name"}}`:
+  the output is the call's arguments under the function's `parameters` schema (one
+  candidate function), or, with several candidates, `{"name": ..., "arguments": ...}` under
+  an `anyOf` of one object per function. `"none"` generates text; `"auto"` is refused.
+- Extensions mapped 1:1 to SamplingParams: `top_k`, `min_p`, `min_tokens`, `ignore_eos`,
+  `stop_token_ids`; `request_timeout` (seconds): the request's deadline (504 past it).
+
+Refused with a 400 naming the field, never ignored: `logprobs`, `top_logprobs`,
+`presence_penalty` / `frequency_penalty` other than 0, `logit_bias`, `functions` /
+`function_call`, `audio`, non-text `modalities`, `prediction`, `web_search_options`, and for
+completions `echo`, `suffix`, `best_of` other than `n`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import common_pb2, gateway_pb2
+from protos.rpc import ServiceError
+
+MAX_N = 16
+_WHITESPACE = {"bounded": common_pb2.WHITESPACE_BOUNDED, "compact": common_pb2.WHITESPACE_COMPACT,
+               "any": common_pb2.WHITESPACE_ANY}
+_STRUCTURED_KINDS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")
+_REFUSED = {
+    "logprobs": "logprobs are not produced yet",
+    "top_logprobs": "logprobs are not produced yet",
+    "logit_bias": "logit_bias is not supported",
+    "functions": "the deprecated `functions` is not supported; use `tools`",
+    "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
+# "field: message", as ServiceError and the grammar service write them.
+_FIELD_MESSAGE = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.S)
+
+
+class OpenAIError(Exception):
+    """An error as an OpenAI error object with its HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(param: str | None, message: str) -> OpenAIError:
+    """A 400 about `param`."""
+    return OpenAIError(400, f"{param}: {message}" if param else message, param=param,
+                       code="invalid_value")
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How the output becomes a tool call: `name` set → the text is that function's
+    arguments; None → the text is {"name", "arguments"} (several candidates)."""
+
+    name: str | None
+
+
+@dataclass
+class Plan:
+    """One OpenAI request translated: a GenerateRequest per choice and how to answer."""
+
+    endpoint: str  # "chat" or "completion"
+    requests: list[gateway_pb2.GenerateRequest]
+    prompt_of: list[int]  # completions: the prompt each choice came from
+    stream: bool = False
+    include_usage: bool = False
+    tool: ToolPlan | None = None
+    timeout: float | None = None
+    # proto field prefix → OpenAI param, for errors raised by the shared path
+    params: dict[str, str] = field(default_factory=dict)
+    id: str = ""
+
+    def param(self, proto_field: str) -> str:
+        """The OpenAI parameter a proto field (`sampling.stop[1]`, ...) came from."""
+        if proto_field == "spec" or proto_field.startswith("spec."):  # the grammar service's
+            proto_field = "constraint" + proto_field[4:]
+        best = ""
+        for prefix in self.params:
+            if (proto_field == prefix or proto_field.startswith((prefix + ".", prefix + "["))) \
+                    and len(prefix) > len(best):
+                best = prefix
+        return self.params[best] if best else proto_field
+
+
+# -- requests ----------------------------------------------------------------------------
+
+def _get(body: dict, name: str, types, default=None, *, what: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise bad(name, f"must be {what or _names(types)}, got {json.dumps(value)}")
+    if not isinstance(value, types):
+        raise bad(name, f"must be {what or _names(types)}, got {type(value).__name__}")
+    return value
+
+
+def _names(types) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    words = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+             dict: "an object", list: "an array"}
+    return " or ".join(words.get(t, t.__name__) for t in types)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, why in _REFUSED.items():
+        value = body.get(name)
+        if value not in (None, False, 0, {}):
+            raise bad(name, f"{why}; remove the field")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _get(body, name, (int, float), 0)
+        if value != 0:
+            raise bad(name, f"penalties are not supported; only 0 is accepted, got {value}")
+    modalities = body.get("modalities")
+    if modalities not in (None, ["text"]):
+        raise bad("modalities", 'only ["text"] is supported')
+
+
+def _sampling(body: dict, plan: Plan, endpoint: str) -> common_pb2.SamplingParams:
+    s = common_pb2.SamplingParams()
+    tokens_param = "max_tokens"
+    max_tokens = _get(body, "max_tokens", int)
+    if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+        mct = _get(body, "max_completion_tokens", int)
+        if max_tokens is not None and max_tokens != mct:
+            raise bad("max_completion_tokens", "differs from max_tokens; send one of them")
+        max_tokens, tokens_param = mct, "max_completion_tokens"
+    if max_tokens is not None:
+        s.max_tokens = max_tokens
+    plan.params["sampling.max_tokens"] = tokens_param
+    for name in ("temperature", "top_p", "min_p"):
+        value = _get(body, name, (int, float))
+        if value is not None:
+            if not math.isfinite(value):
+                raise bad(name, "must be finite")
+            setattr(s, name, value)
+        plan.params[f"sampling.{name}"] = name
+    if (t := _get(body, "temperature", (int, float))) is not None and t > 2:
+        raise bad("temperature", f"must be in [0, 2], got {t}")
+    for name in ("top_k", "min_tokens"):
+        value = _get(body, name, int)
+        if value is not None:
+            if name == "top_k" and value == -1:
+                value = 0  # vLLM's "off"
+            setattr(s, name, value)
+        plan.params[f"sampling.{name}"] = name
+    seed = _get(body, "seed", int)
+    if seed is not None:
+        if not 0 <= seed < 2**63:
+            raise bad("seed", f"must be in [0, 2**63), got {seed}")
+        s.seed = seed
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise bad("stop", "must be a string or an array of strings")
+        s.stop.extend(stop)
+    plan.params["sampling.stop"] = "stop"
+    ids = _get(body, "stop_token_ids", list, [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise bad("stop_token_ids", "must be an array of token ids")
+    s.stop_token_ids.extend(ids)
+    plan.params["sampling.stop_token_ids"] = "stop_token_ids"
+    s.ignore_eos = bool(_get(body, "ignore_eos", bool, False))
+    return s
+
+
+def _whitespace(options: common_pb2.GrammarOptions, so: dict, plan: Plan) -> None:
+    ws = so.get("whitespace")
+    if ws is None:
+        return
+    if ws not in _WHITESPACE:
+        raise bad("structured_outputs.whitespace", f"must be one of {', '.join(_WHITESPACE)}")
+    options.whitespace = _WHITESPACE[ws]
+    plan.params["constraint.options"] = "structured_outputs.whitespace"
+
+
+def _schema_text(value, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise bad(param, f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise bad(param, "must be a JSON Schema object")
+    return json.dumps(value)
+
+
+def _constraint(body: dict, plan: Plan, endpoint: str) -> common_pb2.GrammarSpec:
+    spec = common_pb2.GrammarSpec()
+    rf = _get(body, "response_format", dict)
+    so = _get(body, "structured_outputs", dict, {})
+    tools = _get(body, "tools", list, []) if endpoint == "chat" else []
+    sources = [name for name, present in (
+        ("response_format", rf is not None and rf.get("type", "text") != "text"),
+        ("structured_outputs", any(k in so for k in _STRUCTURED_KINDS)),
+        ("tools", bool(tools) and body.get("tool_choice") != "none")) if present]
+    if len(sources) > 1:
+        raise bad(sources[1], f"only one constraint per request; {sources[0]} is set too")
+    unknown = set(so) - set(_STRUCTURED_KINDS) - {"whitespace"}
+    if unknown:
+        raise bad("structured_outputs", f"unknown field(s) {', '.join(sorted(unknown))}; "
+                                        f"known: {', '.join(_STRUCTURED_KINDS)}, whitespace")
+    if rf is not None:
+        _response_format(rf, spec, plan)
+    if so:
+        _structured_outputs(so, spec, plan)
+    if endpoint == "chat":
+        _tools(body, tools, spec, plan)
+    _whitespace(spec.options, so, plan)
+    return spec
+
+
+def _response_format(rf: dict, spec: common_pb2.GrammarSpec, plan: Plan) -> None:
+    kind = rf.get("type")
+    if kind == "text":
+        return
+    if kind == "json_object":
+        spec.json_object.SetInParent()
+        plan.params["constraint"] = "response_format"
+        return
+    if kind != "json_schema":
+        raise bad("response_format.type", "must be text, json_object or json_schema")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad("response_format.json_schema", "must be an object with `schema`")
+    if "schema" not in js:
+        raise bad("response_format.json_schema.schema", "is required")
+    spec.json_schema = _schema_text(js["schema"], "response_format.json_schema.schema")
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad("response_format.json_schema.strict", "must be a boolean")
+    spec.options.strict = bool(strict)
+    plan.params["constraint"] = "response_format.json_schema.schema"
+    plan.params["constraint.options.strict"] = "response_format.json_schema.strict"
+
+
+def _structured_outputs(so: dict, spec: common_pb2.GrammarSpec, plan: Plan) -> None:
+    kinds = [k for k in _STRUCTURED_KINDS if so.get(k) not in (None, False)]
+    if len(kinds) > 1:
+        raise bad("structured_outputs", f"set one constraint kind, got {' and '.join(kinds)}")
+    if not kinds:
+        return
+    kind = kinds[0]
+    param = f"structured_outputs.{kind}"
+    value = so[kind]
+    plan.params["constraint"] = param
+    if kind == "json":
+        spec.json_schema = _schema_text(value, param)
+    elif kind == "json_object":
+        spec.json_object.SetInParent()
+    elif kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise bad(param, "must be an array of strings")
+        spec.choice.choices.extend(value)
+    elif kind == "structural_tag":
+        spec.structural_tag = value if isinstance(value, str) else json.dumps(value)
+    else:
+        if not isinstance(value, str):
+            raise bad(param, "must be a string")
+        setattr(spec, "regex" if kind == "regex" else "ebnf", value)
+
+
+def _tools(body: dict, tools: list, spec: common_pb2.GrammarSpec, plan: Plan) -> None:
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad("tool_choice", "needs `tools`")
+        return
+    if choice == "none":
+        return
+    if choice is None or choice == "auto":
+        raise bad("tool_choice", '"auto" (the default with `tools`) is not supported: the '
+                                 'server cannot tell a call from text yet; send "required" or '
+                                 '{"type": "function", "function": {"name": ...}}')
+    functions = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(fn, dict):
+            raise bad(f"tools[{i}]", 'must be {"type": "function", "function": {...}}')
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad(f"tools[{i}].function.name", "is required")
+        if name in functions:
+            raise bad(f"tools[{i}].function.name", f"duplicate function {name!r}")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise bad(f"tools[{i}].function.parameters", "must be a JSON Schema object")
+        functions[name] = (i, params, bool(fn.get("strict")))
+    if choice == "required":
+        names = list(functions)
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in functions:
+            raise bad("tool_choice.function.name", f"no tool named {name!r} in `tools`")
+        names = [name]
+    else:
+        raise bad("tool_choice", 'must be "none", "required" or '
+                                 '{"type": "function", "function": {"name": ...}}')
+    if len(names) == 1:
+        i, params, strict = functions[names[0]]
+        spec.json_schema = json.dumps(params)
+        spec.options.strict = strict
+        plan.params["constraint"] = f"tools[{i}].function.parameters"
+        plan.tool = ToolPlan(name=names[0])
+        return
+    spec.json_schema = json.dumps({"anyOf": [
+        {"type": "object", "properties": {"name": {"const": n}, "arguments": functions[n][1]},
+         "required": ["name", "arguments"], "additionalProperties": False} for n in names]})
+    spec.options.strict = all(functions[n][2] for n in names)
+    plan.params["constraint"] = "tools"
+    plan.tool = ToolPlan(name=None)
+
+
+def _content(value, param: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise bad(f"{param}[{j}]", "only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(param, "must be a string or an array of text parts")
+
+
+def _messages(body: dict) -> list[gateway_pb2.ChatMessage]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "must be a non-empty array")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", "must be an object")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise bad(f"messages[{i}].role", "is required")
+        content = _content(m.get("content"), f"messages[{i}].content")
+        if role == "assistant" and m.get("tool_calls") and not content:
+            # An earlier call, as the model would have written it under our constraint.
+            content = json.dumps([c.get("function") for c in m["tool_calls"]
+                                  if isinstance(c, dict)])
+        out.append(gateway_pb2.ChatMessage(role="system" if role == "developer" else role,
+                                           content=content))
+    return out
+
+
+def _common(body: dict, endpoint: str) -> tuple[Plan, int, common_pb2.SamplingParams,
+                                                common_pb2.GrammarSpec]:
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    _refuse_unsupported(body)
+    plan = Plan(endpoint=endpoint, requests=[], prompt_of=[],
+                id=("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex)
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"must be in [1, {MAX_N}], got {n}")
+    plan.stream = bool(_get(body, "stream", bool, False))
+    so = _get(body, "stream_options", dict, {})
+    if so and not plan.stream:
+        raise bad("stream_options", "only with stream: true")
+    plan.include_usage = bool(so.get("include_usage"))
+    timeout = _get(body, "request_timeout", (int, float))
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise bad("request_timeout", "must be a number of seconds > 0")
+    plan.timeout = timeout
+    sampling = _sampling(body, plan, endpoint)
+    spec = _constraint(body, plan, endpoint)
+    plan.params.update({"model": "model", "request": "request"})
+    return plan, n, sampling, spec
+
+
+def _fan_out(plan: Plan, base: gateway_pb2.GenerateRequest, n: int, prompt_index: int) -> None:
+    for j in range(n):
+        req = gateway_pb2.GenerateRequest()
+        req.CopyFrom(base)
+        req.request_id = f"{plan.id}-{len(plan.requests)}"
+        if base.sampling.HasField("seed"):
+            req.sampling.seed = (base.sampling.seed + j) % 2**63
+        plan.requests.append(req)
+        plan.prompt_of.append(prompt_index)
+
+
+def chat_plan(body: dict) -> Plan:
+    """Translate a /v1/chat/completions body. Raises OpenAIError (400) naming the field."""
+    plan, n, sampling, spec = _common(body, "chat")
+    base = gateway_pb2.GenerateRequest(model=_model(body), messages=_messages(body),
+                                       sampling=sampling, constraint=spec)
+    plan.params.update({"prompt": "messages", "messages": "messages"})
+    _fan_out(plan, base, n, 0)
+    return plan
+
+
+def completion_plan(body: dict) -> Plan:
+    """Translate a /v1/completions body. Raises OpenAIError (400) naming the field."""
+    for name in ("echo", "suffix"):
+        if isinstance(body, dict) and body.get(name):
+            raise bad(name, "is not supported; remove the field")
+    plan, n, sampling, spec = _common(body, "completion")
+    best_of = _get(body, "best_of", int)
+    if best_of is not None and best_of != n:
+        raise bad("best_of", "is not supported (only best_of = n)")
+    prompts = body.get("prompt")
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                    and all(isinstance(t, int) for t in prompts)):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts:
+        raise bad("prompt", "must be a string, an array of strings, an array of token ids or "
+                            "an array of such arrays")
+    if len(prompts) * n > MAX_N:
+        raise bad("prompt", f"at most {MAX_N} choices per request (prompts × n)")
+    plan.params.update({"prompt": "prompt", "prompt_token_ids": "prompt"})
+    for k, p in enumerate(prompts):
+        base = gateway_pb2.GenerateRequest(model=_model(body), sampling=sampling, constraint=spec)
+        if isinstance(p, str):
+            base.prompt = p
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                               and t >= 0 for t in p):
+            base.prompt_token_ids.extend(p)
+        else:
+            raise bad(f"prompt[{k}]", "must be a string or a non-empty array of token ids")
+        _fan_out(plan, base, n, k)
+    return plan
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "is required")
+    return model
+
+
+# -- errors -------------------------------------------------------------------------------
+
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "failed_precondition"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled", "cancelled"),
+}
+
+
+def from_service_error(exc: ServiceError, plan: Plan | None) -> OpenAIError:
+    """The OpenAI error for a ServiceError of the shared path; its proto field becomes the
+    OpenAI param (`sampling.top_p: ...` → param `top_p`)."""
+    status, kind, code = _STATUS.get(exc.code, (500, "server_error", "internal_error"))
+    message = str(exc)
+    proto_field = exc.field
+    m = _FIELD_MESSAGE.match(message)
+    if m and proto_field is None:
+        proto_field = m.group(1)
+    param = plan.param(proto_field) if proto_field and plan else proto_field
+    if m and param:
+        message = f"{param}: {m.group(2)}"
+    if exc.code == grpc.StatusCode.UNAVAILABLE and "no healthy worker group" in message:
+        code = "no_healthy_group"
+    if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED):
+        param = None
+    return OpenAIError(status, message, type=kind, param=param, code=code)
+
+
+# -- responses ----------------------------------------------------------------------------
+
+_ERROR_FINISHES = {common_pb2.FINISH_REASON_ERROR_DEAD_END, common_pb2.FINISH_REASON_ERROR_DIVERGENCE,
+                   common_pb2.FINISH_REASON_ERROR_INTERNAL, common_pb2.FINISH_REASON_CANCELLED}
+
+
+def check_final(final: gateway_pb2.Final) -> None:
+    """Raise OpenAIError (500) for a request the worker ended with an error."""
+    if final.finish_reason in _ERROR_FINISHES:
+        name = common_pb2.FinishReason.Name(final.finish_reason)
+        raise OpenAIError(500, f"generation failed ({name}): {final.message}",
+                          type="server_error", code=name.lower())
+
+
+def finish_reason(final: gateway_pb2.Final, tool_calls: list | None) -> str:
+    if final.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def tool_calls(text: str, tool: ToolPlan | None, call_id: str) -> list[dict] | None:
+    """The tool call the output text encodes, or None when it does not parse as one."""
+    if tool is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if tool.name is not None:
+        name, arguments = tool.name, text
+    elif isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
+        name, arguments = value["name"], json.dumps(value["arguments"])
+    else:
+        return None
+    return [{"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": arguments}}]
+
+
+def schema_fields(final: gateway_pb2.Final) -> dict:
+    """gramserve's extension fields of a choice: schema_valid (and schema_error)."""
+    if not final.HasField("schema_valid"):
+        return {}
+    out = {"schema_valid": final.schema_valid}
+    if not final.schema_valid:
+        out["schema_error"] = final.schema_error
+    return out
+
+
+def usage(plan: Plan, finals: list[gateway_pb2.Final]) -> dict:
+    """Usage of a whole request: each distinct prompt counted once, every choice's output."""
+    prompt = {}
+    for i, f in enumerate(finals):
+        prompt[plan.prompt_of[i]] = f.usage.prompt_tokens
+    p, c = sum(prompt.values()), sum(f.usage.completion_tokens for f in finals)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def chat_choice(plan: Plan, index: int, final: gateway_pb2.Final) -> dict:
+    calls = tool_calls(final.text, plan.tool, f"call_{plan.id[-24:]}_{index}")
+    message = {"role": "assistant", "content": None if calls else final.text}
+    if calls:
+        message["tool_calls"] = calls
+    return {"index": index, "message": message, "logprobs": None,
+            "finish_reason": finish_reason(final, calls), **schema_fields(final)}
+
+
+def completion_choice(index: int, final: gateway_pb2.Final) -> dict:
+    return {"index": index, "text": final.text, "logprobs": None,
+            "finish_reason": finish_reason(final, None), **schema_fields(final)}

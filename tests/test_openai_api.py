@@ -1,0 +1,249 @@
+"""The OpenAI-compatible HTTP API through the official `openai` SDK, on real processes:
+grammar service, one TP=1 worker (4 slots), gateways with --http-port 0 (one with
+--max-queue 0, one pointed at a dead worker address). Own system: the 429 test fills it."""
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jsonschema
+import openai
+import pytest
+from conftest import RealSystem, free_port
+from constraints import CHOICES, SCHEMAS
+
+SLOTS = 4
+COMPACT = {"structured_outputs": {"whitespace": "compact"}}
+WEATHER = {"type": "object", "properties": {
+    "city": {"enum": ["paris", "oslo", "lima"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    s = RealSystem(tmp_path_factory.mktemp("openai"), tp=1, slots=SLOTS)
+    try:
+        s.add_gateway("--http-port", "0")
+        s.add_gateway("--http-port", "0", "--max-queue", "0")
+        s.wait_serving()
+        # A gateway whose only group is a dead address: never SERVING, so not waited for.
+        s.add_gateway("--http-port", "0", group=[f"127.0.0.1:{free_port()}"])
+        yield s
+    finally:
+        s.stop()
+
+
+def _client(system, i: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=system.http_url(i) + "/v1", api_key="unused",
+                         max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def client(system):
+    return _client(system, 0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_models_health_and_ready(system, client, model):
+    assert model == "default-model" or model
+    base = system.http_url(0)
+    for path in ("/health", "/ready"):
+        with urllib.request.urlopen(base + path, timeout=10) as r:
+            assert r.status == 200
+
+
+def test_chat_with_strict_json_schema_validates(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=HI, max_tokens=40, temperature=0.7, seed=1,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "person", "schema": SCHEMAS[0], "strict": True}}, extra_body=COMPACT)
+    choice = r.choices[0]
+    jsonschema.validate(json.loads(choice.message.content), SCHEMAS[0])
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["schema_valid"] is True
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_json_object(client, model):
+    r = client.chat.completions.create(model=model, messages=HI, max_tokens=48, seed=3,
+                                       temperature=0.5, response_format={"type": "json_object"},
+                                       extra_body=COMPACT)
+    choice = r.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # a random model may not close the object in time; what it wrote is a prefix
+        assert choice.finish_reason == "length" and choice.message.content.startswith("{")
+
+
+def test_stream_with_usage_concatenates_to_the_text(client, model):
+    args = dict(model=model, messages=HI, max_tokens=24, seed=5, temperature=1.0)
+    whole = client.chat.completions.create(**args).choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole  # same seed, same tokens
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert chunks[-1].usage.prompt_tokens > 0
+
+
+def test_n3_gives_three_valid_different_outputs(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=HI, n=3, seed=21, temperature=1.0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "p",
+                                                                "schema": SCHEMAS[0]}},
+        extra_body=COMPACT)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    for t in texts:
+        jsonschema.validate(json.loads(t), SCHEMAS[0])
+    assert len(set(texts)) == 3, texts
+    single = client.chat.completions.create(
+        model=model, messages=HI, seed=22, temperature=1.0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "p",
+                                                                "schema": SCHEMAS[0]}},
+        extra_body=COMPACT)
+    assert single.choices[0].message.content == texts[1]  # choice i runs with seed + i
+    # the prompt counted once, the output of every choice
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens
+    assert r.usage.completion_tokens > single.usage.completion_tokens
+
+
+def test_tool_choice_required_returns_valid_tool_calls(client, model):
+    r = client.chat.completions.create(model=model, messages=HI, tools=TOOLS,
+                                       tool_choice="required", max_tokens=48, seed=2,
+                                       extra_body=COMPACT)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+    named = client.chat.completions.create(
+        model=model, messages=HI, tools=TOOLS, max_tokens=48, seed=4, extra_body=COMPACT,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and named.choices[0].message.content is None
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+
+def test_choice_via_structured_outputs_and_completions(client, model):
+    r = client.chat.completions.create(model=model, messages=HI, max_tokens=16, seed=6,
+                                       extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert r.choices[0].message.content in CHOICES
+    c = client.completions.create(model=model, prompt="Pick:", max_tokens=16, seed=6,
+                                  extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}})
+    assert len(c.choices[0].text) == 6 and c.choices[0].text[3] == "-"
+    assert c.usage.prompt_tokens > 0
+
+
+def _status(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    return info.value
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(top_p=2.0), "top_p"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(tools=TOOLS, tool_choice="auto"), "tool_choice"),
+    (dict(max_completion_tokens=0), "max_completion_tokens"),
+    (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}}),
+     "response_format.json_schema.schema"),
+    (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}),
+     "structured_outputs"),
+])
+def test_bad_requests_are_400_naming_the_field(client, model, kwargs, param):
+    err = _status(lambda: client.chat.completions.create(
+        model=model, messages=HI, max_tokens=8, **kwargs))
+    assert err.status_code == 400, err.body
+    assert err.body["param"] == param, err.body
+    assert err.body["type"] == "invalid_request_error" and err.body["message"]
+
+
+def test_unknown_model_is_404(client):
+    err = _status(lambda: client.chat.completions.create(model="nope", messages=HI))
+    assert err.status_code == 404 and err.body["code"] == "model_not_found"
+    assert err.body["param"] == "model"
+
+
+def test_deadline_is_504(client, model):
+    err = _status(lambda: client.chat.completions.create(
+        model=model, messages=HI, max_tokens=200,
+        extra_body={"ignore_eos": True, "request_timeout": 0.2}))
+    assert err.status_code == 504, err.body
+
+
+def test_queue_full_is_429_and_a_closed_stream_frees_its_slots(system, model):
+    full = _client(system, 1)  # --max-queue 0
+    holder = full.chat.completions.create(
+        model=model, messages=HI, n=SLOTS, max_tokens=200, stream=True,
+        extra_body={"ignore_eos": True})
+    try:
+        next(iter(holder))  # every slot of the group is this gateway's now
+        err = _status(lambda: full.chat.completions.create(model=model, messages=HI,
+                                                           max_tokens=4))
+        assert err.status_code == 429 and err.body["type"] == "rate_limit_error", err.body
+    finally:
+        holder.close()
+    deadline = time.monotonic() + 20
+    while True:  # the disconnect released every slot: the gateway takes requests again
+        try:
+            r = full.chat.completions.create(model=model, messages=HI, max_tokens=4)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "slots not released after the stream closed"
+            time.sleep(0.2)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_no_healthy_group_is_503(system, model):
+    dead = _client(system, 2)
+    err = _status(lambda: dead.chat.completions.create(model=model, messages=HI, max_tokens=4))
+    assert err.status_code == 503 and err.body["code"] == "no_healthy_group", err.body
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(system.http_url(2) + "/ready", timeout=10)
+    assert info.value.code == 503
+
+
+def test_unknown_route_is_an_openai_error(system):
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(system.http_url(0) + "/v1/nothing", timeout=10)
+    assert info.value.code == 404
+    assert "error" in json.loads(info.value.read())
+
+
+def test_concurrent_requests_share_the_loop(client, model):
+    out, errors = [], []
+
+    def one(seed):
+        try:
+            r = client.chat.completions.create(model=model, messages=HI, max_tokens=8,
+                                               seed=seed, extra_body={"structured_outputs": {
+                                                   "choice": CHOICES}})
+            out.append(r.choices[0].message.content)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(out) == 6 and set(out) <= set(CHOICES)
