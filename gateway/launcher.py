@@ -32,6 +32,7 @@ class UpConfig:
     slots: int = 8
     device: str = "cpu"
     port: int = 50051
+    http_port: int = 8000
     metrics_port: int = 0
     max_model_len: int = 0
     max_queue: int = 64
@@ -46,6 +47,8 @@ class UpConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be -1 (off) or in [0, 65535], got {self.http_port}")
         if self.metrics_port < -1:
             raise ValueError("--metrics-port must be -1 (off), 0 (free ports) or a base port")
         if self.max_model_len < 0 or self.max_queue < 0:
@@ -66,6 +69,9 @@ def up_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=env_default("device", "cpu"), help="cpu or cuda")
     p.add_argument("--port", type=int, default=env_default("port", 50051),
                    help="gateway port; 0 picks a free one (GRAMSERVE_PORT)")
+    p.add_argument("--http-port", type=int, default=env_default("http_port", 8000),
+                   help="the gateway's OpenAI-compatible HTTP port; 0 picks a free one, -1 off "
+                        "(GRAMSERVE_HTTP_PORT)")
     p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
                    help="first metrics port (grammar service, gateway, then each rank); "
                         "0 free ports, -1 off (GRAMSERVE_METRICS_PORT)")
@@ -111,6 +117,7 @@ class System:
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.addresses: dict[str, list[str]] = {}
         self.metrics_urls: list[str] = []
+        self.http_url: str | None = None
         self.stopping = threading.Event()
 
     def _say(self, msg: str) -> None:
@@ -131,6 +138,10 @@ class System:
             raise RuntimeError(f"--port {c.port} is in use")
         gw_port = c.port or free_ports(1, taken)
         taken.add(gw_port)
+        if c.http_port > 0 and not _port_free(c.http_port):
+            raise RuntimeError(f"--http-port {c.http_port} is in use")
+        http_port = c.http_port if c.http_port != 0 else free_ports(1, taken)
+        taken.add(http_port)
 
         def metrics(n: int, offset: int) -> int:
             if c.metrics_port < 0:
@@ -167,8 +178,10 @@ class System:
         self._spawn("gateway", [
             "gateway", "--host", _HOST, "--port", str(gw_port), "--grammar-service", grammar,
             *group_flags, "--model", model_dir, "--metrics-port", str(gw_metrics),
-            "--max-queue", str(c.max_queue)])
+            "--max-queue", str(c.max_queue), "--http-port", str(http_port)])
         self.addresses["gateway"] = [gateway]
+        if http_port >= 0:
+            self.http_url = f"http://{_HOST}:{http_port}/v1"
         self._metrics_url("gateway", gw_metrics)
 
     def _metrics_url(self, name: str, port: int) -> None:
@@ -227,7 +240,8 @@ def up_main(ns: argparse.Namespace) -> int:
     try:
         config = UpConfig(
             model=ns.model or None, tp=ns.tp, groups=ns.groups, slots=ns.slots,
-            device=ns.device, port=ns.port, metrics_port=ns.metrics_port,
+            device=ns.device, port=ns.port, http_port=ns.http_port,
+            metrics_port=ns.metrics_port,
             max_model_len=ns.max_model_len, max_queue=ns.max_queue,
             cache_dir=ns.cache_dir or None, startup_timeout=ns.startup_timeout)
     except ValueError as exc:
@@ -241,6 +255,8 @@ def up_main(ns: argparse.Namespace) -> int:
         system.start()
         system.wait_serving()
         system._say(f"gramserve is up: gateway {system.addresses['gateway'][0]}")
+        if system.http_url:
+            system._say(f"  OpenAI-compatible HTTP API: {system.http_url}")
         for url in system.metrics_urls:
             system._say(f"  metrics {url}")
         system._say("Ctrl-C stops everything.")

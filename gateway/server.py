@@ -271,6 +271,11 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
     runner = Runner(router, clients, vocab.token_bytes, metrics, monitor.poke,
                     check_output_against_schema)
     servicer = GatewayServicer(config, vocab, Path(model_dir).name, router, runner, metrics)
+    if config.http_port >= 0:  # bound before gRPC health can say SERVING
+        app = create_app(servicer, config.max_request_bytes)
+        http_server, http_task, gateway.http_port = await start_http(
+            app, config.http_host or config.host, config.http_port)
+        gateway._parts["http"] = (http_server, http_task)
     server, port, health = await create_aio_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
         host=config.host, port=config.port, tls=config.tls_pair())
@@ -280,11 +285,6 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
     await set_serving_aio(health, [SERVICE_NAME], serving[0])
     gateway.port = port
     gateway._parts.update(server=server, monitor=monitor, servicer=servicer, clients=clients)
-    if config.http_port >= 0:
-        app = create_app(servicer, config.max_request_bytes)
-        http_server, http_task, gateway.http_port = await start_http(
-            app, config.http_host or config.host, config.http_port)
-        gateway._parts["http"] = (http_server, http_task)
 
 
 def create_server(config: GatewayConfig, registry: CollectorRegistry | None = None) -> Gateway:
@@ -292,8 +292,10 @@ def create_server(config: GatewayConfig, registry: CollectorRegistry | None = No
 
     The gateway runs on an event loop of its own thread; this call returns once it serves.
     Group health is checked once before returning and then every `health_interval`
-    seconds; the gateway's health is SERVING while at least one group is. Raises
-    ValueError for a bad model directory, RuntimeError when the port cannot be bound.
+    seconds; the gateway's health is SERVING while at least one group is. With
+    `config.http_port >= 0` the OpenAI-compatible HTTP API serves on the same loop
+    (`Gateway.http_port` is its bound port). Raises ValueError for a bad model directory,
+    RuntimeError when a port cannot be bound.
     """
     registry = registry if registry is not None else CollectorRegistry()
     loop = asyncio.new_event_loop()

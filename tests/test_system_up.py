@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from procs import ROOT
@@ -44,8 +45,8 @@ def test_up_starts_serves_and_stops_cleanly_without_orphans(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
            "GRAMSERVE_TORCH_THREADS": "1", "GRAMSERVE_COMPILE_WORKERS": "1"}
     up = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "up", "--port", "0", "--slots", "2",
-         "--max-model-len", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "gateway.cli", "up", "--port", "0", "--http-port", "0",
+         "--slots", "2", "--max-model-len", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env=env, cwd=ROOT, start_new_session=True)
     try:
         lines = []
@@ -62,6 +63,9 @@ def test_up_starts_serves_and_stops_cleanly_without_orphans(tmp_path):
             metrics_lines.append(line)
         assert sum("/metrics" in m for m in metrics_lines) == 4  # grammar, gateway, 2 ranks
         assert check_health(addr)
+        (http,) = [m.split()[-1] for m in metrics_lines if "OpenAI-compatible HTTP" in m]
+        with urllib.request.urlopen(http.removesuffix("/v1") + "/health", timeout=10) as r:
+            assert r.status == 200
         out = subprocess.run(
             [sys.executable, "-m", "gateway.cli", "generate", "--addr", addr, "--choice", "yes",
              "--choice", "no", "--json", "Answer:"], capture_output=True, text=True, env=env,
