@@ -11,7 +11,7 @@ import urllib.request
 import jsonschema
 import openai
 import pytest
-from conftest import RealSystem, free_port
+from conftest import RealSystem, free_port, metric
 from constraints import CHOICES, SCHEMAS
 
 SLOTS = 4
@@ -247,3 +247,42 @@ def test_concurrent_requests_share_the_loop(client, model):
     for t in threads:
         t.join(60)
     assert not errors and len(out) == 6 and set(out) <= set(CHOICES)
+
+
+def test_streamed_tool_call_arguments_concatenate_to_valid_json(client, model):
+    chunks = list(client.chat.completions.create(
+        model=model, messages=HI, tools=TOOLS, max_tokens=48, seed=4, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body=COMPACT))
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].function.name == "get_weather" and calls[0].id
+    args = "".join(tc.function.arguments or "" for tc in calls)
+    jsonschema.validate(json.loads(args), WEATHER)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_streamed_completions_with_n2_keep_their_choices_apart(client, model):
+    args = dict(model=model, prompt="Pick:", max_tokens=16, seed=8, n=2, temperature=1.0,
+                extra_body={"structured_outputs": {"choice": CHOICES}})
+    whole = client.completions.create(**args)
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert set(texts.values()) <= set(CHOICES)
+
+
+def test_a_client_that_goes_away_cancels_its_requests(system, model):
+    cancelled = 'gramserve_gateway_requests_total{constraint="none",status="CANCELLED"}'
+    before = metric(system.gateway_metrics[1], cancelled)
+    impatient = openai.OpenAI(base_url=system.http_url(1) + "/v1", api_key="unused",
+                              max_retries=0, timeout=0.15)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model=model, messages=HI, n=SLOTS, max_tokens=240,
+                                          extra_body={"ignore_eos": True})
+    assert system.wait_slots_free(timeout=10) == [0]
+    deadline = time.monotonic() + 10
+    while metric(system.gateway_metrics[1], cancelled) < before + SLOTS:
+        assert time.monotonic() < deadline, "the choices ran on after the client left"
+        time.sleep(0.1)
