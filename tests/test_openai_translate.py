@@ -1,0 +1,86 @@
+"""The OpenAI → GenerateRequest translation on its own: no processes, milliseconds."""
+
+import json
+
+import pytest
+
+from gateway import openai_translate as ot
+from protos import common_pb2, gateway_pb2
+from protos.rpc import InvalidArgument, ResourceExhausted, Unavailable
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**kw):
+    return ot.chat_plan({"model": "m", "messages": HI, **kw})
+
+
+def test_n_choices_get_consecutive_seeds_and_their_own_requests():
+    plan = chat(n=3, seed=7, stop="END", max_completion_tokens=9, temperature=0.5)
+    assert [r.sampling.seed for r in plan.requests] == [7, 8, 9]
+    assert len({r.request_id for r in plan.requests}) == 3
+    for r in plan.requests:
+        assert list(r.sampling.stop) == ["END"] and r.sampling.max_tokens == 9
+    assert not chat(n=2).requests[0].sampling.HasField("seed")  # the gateway picks one each
+
+
+def test_strict_json_schema_and_whitespace_map_to_grammar_options():
+    (req,) = chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": True}},
+        structured_outputs={"whitespace": "compact"}).requests
+    assert json.loads(req.constraint.json_schema) == {"type": "object"}
+    assert req.constraint.options.strict
+    assert req.constraint.options.whitespace == common_pb2.WHITESPACE_COMPACT
+
+
+def test_several_tools_required_is_an_anyof_of_name_and_arguments():
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("a", "b")]
+    plan = chat(tools=tools, tool_choice="required")
+    schema = json.loads(plan.requests[0].constraint.json_schema)
+    assert [b["properties"]["name"]["const"] for b in schema["anyOf"]] == ["a", "b"]
+    assert plan.tool == ot.ToolPlan(name=None)
+    calls = ot.tool_calls('{"name":"b","arguments":{"x":1}}', plan.tool, "c1")
+    assert calls[0]["function"] == {"name": "b", "arguments": '{"x": 1}'}
+    assert chat(tools=tools, tool_choice="none").requests[0].constraint.WhichOneof("kind") is None
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(logprobs=True), "logprobs"),
+    (dict(top_logprobs=2), "top_logprobs"),
+    (dict(frequency_penalty=1), "frequency_penalty"),
+    (dict(logit_bias={"1": 5}), "logit_bias"),
+    (dict(n=0), "n"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+    (dict(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+     "structured_outputs"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+     "messages[0].content[0]"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),
+])
+def test_refusals_name_the_openai_field(kw, param):
+    with pytest.raises(ot.OpenAIError) as info:
+        ot.chat_plan({"model": "m", "messages": HI, **kw})
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_errors_of_the_shared_path_name_the_openai_field():
+    plan = chat(max_completion_tokens=5, response_format={"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}})
+    err = ot.from_service_error(InvalidArgument("must be >= 1", field="sampling.max_tokens"), plan)
+    assert (err.status, err.param) == (400, "max_completion_tokens")
+    err = ot.from_service_error(InvalidArgument("spec.json_schema: bad at a.b"), plan)
+    assert err.param == "response_format.json_schema.schema" and "bad at a.b" in err.message
+    assert ot.from_service_error(ResourceExhausted("full"), plan).status == 429
+    err = ot.from_service_error(Unavailable("no healthy worker group (x)"), plan)
+    assert (err.status, err.code) == (503, "no_healthy_group")
+
+
+def test_completions_fan_out_over_prompts_and_count_each_prompt_once():
+    plan = ot.completion_plan({"model": "m", "prompt": ["a", [1, 2]], "n": 2})
+    assert plan.prompt_of == [0, 0, 1, 1]
+    assert plan.requests[2].prompt_token_ids == [1, 2] and plan.requests[0].prompt == "a"
+    finals = [gateway_pb2.Final(usage=common_pb2.Usage(prompt_tokens=p, completion_tokens=3))
+              for p in (4, 4, 2, 2)]
+    assert ot.usage(plan, finals) == {"prompt_tokens": 6, "completion_tokens": 12,
+                                      "total_tokens": 18}
