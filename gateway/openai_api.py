@@ -2,7 +2,7 @@
 
 `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`
 (liveness) and `GET /ready` (503 while no worker group is healthy). Each request is
-translated (gateway/openai_translate.py) into one GenerateRequest per choice and run through
+translated (gateway/openai_translate.py, and back by gateway/openai_responses.py) into one GenerateRequest per choice and run through
 `GatewayServicer.generate`, the path the gRPC API takes: same validation, tokenisation,
 compilation, queue, slots and metrics. There is no second request runner.
 
@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from gateway import openai_responses as orsp
 from gateway import openai_translate as ot
 from protos import gateway_pb2
 from protos.rpc import ServiceError
@@ -48,7 +49,7 @@ def _as_openai(exc: BaseException, plan: ot.Plan | None) -> ot.OpenAIError:
     if isinstance(exc, ot.OpenAIError):
         return exc
     if isinstance(exc, ServiceError):
-        return ot.from_service_error(exc, plan)
+        return orsp.from_service_error(exc, plan)
     log.error("unhandled error in an HTTP request", exc_info=exc)
     return ot.OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}",
                           type="server_error", code="internal_error")
@@ -96,7 +97,7 @@ async def _collect(fan: _Fanout, n: int) -> list[gateway_pb2.Final]:
         if isinstance(event, Exception):
             raise event
         if event.HasField("final"):
-            ot.check_final(event.final)
+            orsp.check_final(event.final)
             finals[i] = event.final
             left -= 1
     return finals
@@ -141,15 +142,15 @@ class _ChatStream:
                     {"index": 0, "function": {"arguments": text}}]})]))
             return out
         final = event.final
-        ot.check_final(final)
+        orsp.check_final(final)
         self.finals[i] = final
-        calls = ot.tool_calls(final.text, tool, self._call_id(i))
+        calls = orsp.tool_calls(final.text, tool, self._call_id(i))
         if tool is not None and tool.name is None:  # the whole call, once it is known
             delta = {"tool_calls": [{"index": 0, **c} for c in calls]} if calls \
                 else {"content": final.text}
             out.append(self.chunk([self._choice(i, delta)]))
-        out.append(self.chunk([self._choice(i, {}, ot.finish_reason(final, calls),
-                                            **ot.schema_fields(final))]))
+        out.append(self.chunk([self._choice(i, {}, orsp.finish_reason(final, calls),
+                                            **orsp.schema_fields(final))]))
         return out
 
     def _choice(self, i: int, delta: dict, finish: str | None = None, **extra) -> dict:
@@ -168,11 +169,11 @@ class _CompletionStream(_ChatStream):
             return [self.chunk([{"index": i, "text": event.delta.text, "logprobs": None,
                                  "finish_reason": None}])]
         final = event.final
-        ot.check_final(final)
+        orsp.check_final(final)
         self.finals[i] = final
         return [self.chunk([{"index": i, "text": "", "logprobs": None,
-                             "finish_reason": ot.finish_reason(final, None),
-                             **ot.schema_fields(final)}])]
+                             "finish_reason": orsp.finish_reason(final, None),
+                             **orsp.schema_fields(final)}])]
 
 
 def _sse(obj) -> str:
@@ -192,7 +193,7 @@ async def _stream_body(fan: _Fanout, writer: _ChatStream, buffered: list) -> Asy
                 for chunk in writer.events(i, event):
                     yield _sse(chunk)
             if writer.plan.include_usage:
-                yield _sse(writer.chunk([], ot.usage(writer.plan, writer.finals)))
+                yield _sse(writer.chunk([], orsp.usage(writer.plan, writer.finals)))
         except Exception as exc:
             yield _sse(_as_openai(exc, writer.plan).body())
         yield "data: [DONE]\n\n"
@@ -255,7 +256,7 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
                     if isinstance(event, Exception):
                         raise event
                     if event.HasField("final"):
-                        ot.check_final(event.final)
+                        orsp.check_final(event.final)
                     seen.add(i)
                     buffered.append((i, event))
             except BaseException as exc:
@@ -283,16 +284,16 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
             await fan.close()
         return {"id": plan.id, "object": choice[0], "created": created, "model": model,
                 "choices": [choice[1](plan, i, f) for i, f in enumerate(finals)],
-                "usage": ot.usage(plan, finals)}
+                "usage": orsp.usage(plan, finals)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run(request, ot.chat_plan, _ChatStream, ("chat.completion", ot.chat_choice))
+        return await run(request, ot.chat_plan, _ChatStream, ("chat.completion", orsp.chat_choice))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await run(request, ot.completion_plan, _CompletionStream,
-                         ("text_completion", lambda plan, i, f: ot.completion_choice(i, f)))
+                         ("text_completion", lambda plan, i, f: orsp.completion_choice(i, f)))
 
     return app
 

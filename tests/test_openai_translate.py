@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from gateway import openai_responses as orsp
 from gateway import openai_translate as ot
 from protos import common_pb2, gateway_pb2
 from protos.rpc import InvalidArgument, ResourceExhausted, Unavailable
@@ -40,7 +41,7 @@ def test_several_tools_required_is_an_anyof_of_name_and_arguments():
     schema = json.loads(plan.requests[0].constraint.json_schema)
     assert [b["properties"]["name"]["const"] for b in schema["anyOf"]] == ["a", "b"]
     assert plan.tool == ot.ToolPlan(name=None)
-    calls = ot.tool_calls('{"name":"b","arguments":{"x":1}}', plan.tool, "c1")
+    calls = orsp.tool_calls('{"name":"b","arguments":{"x":1}}', plan.tool, "c1")
     assert calls[0]["function"] == {"name": "b", "arguments": '{"x": 1}'}
     assert chat(tools=tools, tool_choice="none").requests[0].constraint.WhichOneof("kind") is None
 
@@ -67,12 +68,12 @@ def test_refusals_name_the_openai_field(kw, param):
 def test_errors_of_the_shared_path_name_the_openai_field():
     plan = chat(max_completion_tokens=5, response_format={"type": "json_schema", "json_schema": {
         "schema": {"type": "object"}}})
-    err = ot.from_service_error(InvalidArgument("must be >= 1", field="sampling.max_tokens"), plan)
+    err = orsp.from_service_error(InvalidArgument("must be >= 1", field="sampling.max_tokens"), plan)
     assert (err.status, err.param) == (400, "max_completion_tokens")
-    err = ot.from_service_error(InvalidArgument("spec.json_schema: bad at a.b"), plan)
+    err = orsp.from_service_error(InvalidArgument("spec.json_schema: bad at a.b"), plan)
     assert err.param == "response_format.json_schema.schema" and "bad at a.b" in err.message
-    assert ot.from_service_error(ResourceExhausted("full"), plan).status == 429
-    err = ot.from_service_error(Unavailable("no healthy worker group (x)"), plan)
+    assert orsp.from_service_error(ResourceExhausted("full"), plan).status == 429
+    err = orsp.from_service_error(Unavailable("no healthy worker group (x)"), plan)
     assert (err.status, err.code) == (503, "no_healthy_group")
 
 
@@ -82,5 +83,5 @@ def test_completions_fan_out_over_prompts_and_count_each_prompt_once():
     assert plan.requests[2].prompt_token_ids == [1, 2] and plan.requests[0].prompt == "a"
     finals = [gateway_pb2.Final(usage=common_pb2.Usage(prompt_tokens=p, completion_tokens=3))
               for p in (4, 4, 2, 2)]
-    assert ot.usage(plan, finals) == {"prompt_tokens": 6, "completion_tokens": 12,
+    assert orsp.usage(plan, finals) == {"prompt_tokens": 6, "completion_tokens": 12,
                                       "total_tokens": 18}

@@ -1,0 +1,121 @@
+"""Finals → OpenAI response objects, and ServiceErrors → OpenAI error objects.
+
+The other half of gateway/openai_translate.py; plain Python, no HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+
+from gateway.openai_translate import OpenAIError, Plan, ToolPlan
+from protos import common_pb2, gateway_pb2
+from protos.rpc import ServiceError
+
+# "field: message", as ServiceError and the grammar service write them.
+_FIELD_MESSAGE = re.compile(r"^([A-Za-z_][\w.\[\]]*): (.*)$", re.S)
+
+# -- errors -------------------------------------------------------------------------------
+
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "failed_precondition"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled", "cancelled"),
+}
+
+
+def from_service_error(exc: ServiceError, plan: Plan | None) -> OpenAIError:
+    """The OpenAI error for a ServiceError of the shared path; its proto field becomes the
+    OpenAI param (`sampling.top_p: ...` → param `top_p`)."""
+    status, kind, code = _STATUS.get(exc.code, (500, "server_error", "internal_error"))
+    message = str(exc)
+    proto_field = exc.field
+    m = _FIELD_MESSAGE.match(message)
+    if m and proto_field is None:
+        proto_field = m.group(1)
+    param = plan.param(proto_field) if proto_field and plan else proto_field
+    if m and param:
+        message = f"{param}: {m.group(2)}"
+    if exc.code == grpc.StatusCode.UNAVAILABLE and "no healthy worker group" in message:
+        code = "no_healthy_group"
+    if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED):
+        param = None
+    return OpenAIError(status, message, type=kind, param=param, code=code)
+
+
+# -- responses ----------------------------------------------------------------------------
+
+_ERROR_FINISHES = {common_pb2.FINISH_REASON_ERROR_DEAD_END, common_pb2.FINISH_REASON_ERROR_DIVERGENCE,
+                   common_pb2.FINISH_REASON_ERROR_INTERNAL, common_pb2.FINISH_REASON_CANCELLED}
+
+
+def check_final(final: gateway_pb2.Final) -> None:
+    """Raise OpenAIError (500) for a request the worker ended with an error."""
+    if final.finish_reason in _ERROR_FINISHES:
+        name = common_pb2.FinishReason.Name(final.finish_reason)
+        raise OpenAIError(500, f"generation failed ({name}): {final.message}",
+                          type="server_error", code=name.lower())
+
+
+def finish_reason(final: gateway_pb2.Final, tool_calls: list | None) -> str:
+    if final.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def tool_calls(text: str, tool: ToolPlan | None, call_id: str) -> list[dict] | None:
+    """The tool call the output text encodes, or None when it does not parse as one."""
+    if tool is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if tool.name is not None:
+        name, arguments = tool.name, text
+    elif isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
+        name, arguments = value["name"], json.dumps(value["arguments"])
+    else:
+        return None
+    return [{"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": arguments}}]
+
+
+def schema_fields(final: gateway_pb2.Final) -> dict:
+    """gramserve's extension fields of a choice: schema_valid (and schema_error)."""
+    if not final.HasField("schema_valid"):
+        return {}
+    out = {"schema_valid": final.schema_valid}
+    if not final.schema_valid:
+        out["schema_error"] = final.schema_error
+    return out
+
+
+def usage(plan: Plan, finals: list[gateway_pb2.Final]) -> dict:
+    """Usage of a whole request: each distinct prompt counted once, every choice's output."""
+    prompt = {}
+    for i, f in enumerate(finals):
+        prompt[plan.prompt_of[i]] = f.usage.prompt_tokens
+    p, c = sum(prompt.values()), sum(f.usage.completion_tokens for f in finals)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def chat_choice(plan: Plan, index: int, final: gateway_pb2.Final) -> dict:
+    calls = tool_calls(final.text, plan.tool, f"call_{plan.id[-24:]}_{index}")
+    message = {"role": "assistant", "content": None if calls else final.text}
+    if calls:
+        message["tool_calls"] = calls
+    return {"index": index, "message": message, "logprobs": None,
+            "finish_reason": finish_reason(final, calls), **schema_fields(final)}
+
+
+def completion_choice(index: int, final: gateway_pb2.Final) -> dict:
+    return {"index": index, "text": final.text, "logprobs": None,
+            "finish_reason": finish_reason(final, None), **schema_fields(final)}
