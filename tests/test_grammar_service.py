@@ -173,6 +173,22 @@ def test_unenforced_keywords_are_reported_and_strict_refuses_them(served):
     assert list(strict_ok.unenforced_keywords) == []
 
 
+def test_compile_reports_the_backend_and_why_and_a_forced_backend_has_its_own_key(
+        served, vocab):
+    _, stub, _ = served
+    schema = json.dumps({**PERSON, "title": "backend-choice"})
+    auto = compile_(stub, json_schema=schema)
+    forced = compile_(stub, json_schema=schema, options=common_pb2.GrammarOptions(
+        backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR))
+    assert (auto.backend, forced.backend) == ("llguidance", "xgrammar")
+    assert auto.backend_reason.startswith("auto: ") and "forced" in forced.backend_reason
+    assert auto.key != forced.key
+    for ref in (auto, forced):
+        assert accepts(matcher_for(stub, vocab, ref), vocab, '{"name": "Al", "age": 31}')
+    stats = stub.Stats(grammar_pb2.StatsRequest(), timeout=10)
+    assert stats.llguidance_version == importlib.metadata.version("llguidance")
+
+
 def _unknown_field_spec():
     spec = common_pb2.GrammarSpec(regex="a")
     spec.MergeFromString(b"\x98\x06\x01")  # field 99, varint 1: from a newer client
