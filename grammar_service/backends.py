@@ -22,7 +22,16 @@ rank's TokenizerInfo. llguidance compiles in about a millisecond (lexer and pars
 lazily, per matcher state), so its serialised form is its normalised grammar (the JSON
 grammar `LLMatcher.grammar_from_*` returns, which embeds the schema, regex or Lark text and
 the options) in a small JSON envelope; each rank builds the matcher itself, once per
-grammar, and every slot gets a `deep_copy` of it (about 1 µs).
+grammar, and every slot gets a `deep_copy` of it (about 1 µs). Measured (default model, 4k
+vocabulary, one thread, medians; service: compile + serialise; rank: deserialise + matcher +
+first mask):
+
+    schema             xgrammar service / rank / bytes     llguidance service / rank / bytes
+    2 properties       3.0 ms / 1.3 ms / 66 kB             0.30 ms / 0.56 ms / 0.4 kB
+    20 properties      309 ms / 124 ms / 5.9 MB            0.74 ms / 1.06 ms / 1.5 kB
+
+So for llguidance, building on the rank from the small text is cheaper than fetching any
+compiled form could be. Building both backends for a vocabulary: ~15 ms at 4k tokens.
 
 A compiled object only pairs with the backend that made it: `new_matcher` refuses another
 backend's object, and a payload names its format so one backend never reads the other's.
