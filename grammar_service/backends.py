@@ -74,6 +74,9 @@ class BackendError(ValueError):
 class Matcher(Protocol):
     """What the engine and the mask filler call on a matcher (see the module docstring)."""
 
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+
     def fill_next_token_bitmask(self, bitmask, index: int = 0) -> bool: ...
     def accept_token(self, token_id: int) -> bool: ...
     def is_terminated(self) -> bool: ...
@@ -290,6 +293,11 @@ class LLGuidanceMatcher:
         self._words = words
         self._terminated = False
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end the output (as xgrammar's matcher reports its own)."""
+        return sorted(self._eos)
+
     def fill_next_token_bitmask(self, bitmask, index: int = 0) -> bool:
         """Write every word of row `index` of `bitmask` (CPU int32, (rows, words), rows
         contiguous, words == ceil(vocab / 32)). Returns True (xgrammar returns whether the row
@@ -329,10 +337,6 @@ class LLGuidanceMatcher:
     def is_completed(self) -> bool:
         """The text so far is a complete instance: a stop token may come next."""
         return self._m.is_accepting()
-
-    def only_stop_allowed(self) -> bool:
-        """Nothing but a stop token may come next (llguidance's `is_stopped`)."""
-        return self._m.is_stopped() and not self._m.is_error()
 
     def error(self) -> str:
         """llguidance's error message ('' when none): a parser limit hit mid-generation

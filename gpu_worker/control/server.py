@@ -309,7 +309,8 @@ class Rank:
         req.tag = msg.tag
         if msg.grammar_key:
             handle = self.grammars.acquire(msg.grammar_key,
-                                           msg.grammar if msg.HasField("grammar") else None)
+                                           msg.grammar if msg.HasField("grammar") else None,
+                                           backend=msg.grammar_backend or None)
             req.grammar, req.release_grammar = handle, self.grammars.release
         try:
             if req.grammar is not None:
