@@ -147,7 +147,8 @@ def compile_main(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps({"key": resp.key, "kind": resp.kind, "cached": resp.cached,
                           "compile_ms": round(resp.compile_seconds * 1000, 3),
-                          "unenforced_keywords": list(resp.unenforced_keywords)}))
+                          "unenforced_keywords": list(resp.unenforced_keywords),
+                          "backend": resp.backend, "backend_reason": resp.backend_reason}))
     else:
         print(resp.key)
     return 0

@@ -202,7 +202,8 @@ async def _stream_body(fan: _Fanout, writer: _ChatStream, buffered: list) -> Asy
 
 
 def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
-    """The FastAPI application over a GatewayServicer (its `generate`, `model_info`, `ready`)."""
+    """The FastAPI application over a GatewayServicer (its `generate`, `model_info`, `ready`,
+    `limits`)."""
     app = FastAPI(title="gramserve", description="OpenAI-compatible API of gramserve",
                   docs_url=None, redoc_url=None)
 
@@ -241,7 +242,7 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
                 body = json.loads(raw)
             except ValueError as exc:
                 raise ot.bad(None, f"the request body is not JSON: {exc}") from None
-            plan = translate(body)
+            plan = translate(body, servicer.limits)
             model = servicer.model_info().id
             fan = _Fanout(servicer, plan)
         except Exception as exc:

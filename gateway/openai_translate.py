@@ -4,6 +4,9 @@ Plain Python (no HTTP): `gateway/openai_api.py` serves it. Every request becomes
 same `GenerateRequest` the gRPC API takes (one per choice), so validation, tokenisation and
 compilation are the gateway's one path; this module only translates, and names OpenAI's
 field (`param`) in every error, including errors the shared path raises about proto fields.
+The sampling fields are checked here, before any choice runs, by the gRPC path's own
+`validate_sampling` (the typed `protos.sampling.Sampling`): one set of rules for both APIs;
+OpenAI adds only its temperature bound (0–2).
 
 Supported, beyond the plain sampling fields:
 - `response_format`: `text`, `json_object`, `json_schema` (`strict` → GrammarOptions.strict).
@@ -31,7 +34,9 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
+from gateway.validation import Limits, validate_sampling
 from protos import common_pb2, gateway_pb2
+from protos.rpc import InvalidArgument
 
 MAX_N = 16
 _WHITESPACE = {"bounded": common_pb2.WHITESPACE_BOUNDED, "compact": common_pb2.WHITESPACE_COMPACT,
@@ -138,7 +143,18 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad("modalities", 'only ["text"] is supported')
 
 
-def _sampling(body: dict, plan: Plan, endpoint: str) -> common_pb2.SamplingParams:
+def _set(msg, name: str, value, param: str) -> None:
+    """`msg.name = value`, a 400 about `param` when the value does not fit the proto field."""
+    try:
+        setattr(msg, name, value)
+    except (ValueError, TypeError) as exc:
+        raise bad(param, f"out of range: {exc}") from None
+
+
+def _sampling(body: dict, plan: Plan, endpoint: str, limits: Limits) -> common_pb2.SamplingParams:
+    """The body's sampling as SamplingParams, checked by validate_sampling: the gRPC path's
+    one set of rules (protos/sampling.py), its errors named by the OpenAI param. Only JSON
+    types, OpenAI's own spellings and OpenAI's temperature bound are checked here."""
     s = common_pb2.SamplingParams()
     tokens_param = "max_tokens"
     max_tokens = _get(body, "max_tokens", int)
@@ -148,29 +164,26 @@ def _sampling(body: dict, plan: Plan, endpoint: str) -> common_pb2.SamplingParam
             raise bad("max_completion_tokens", "differs from max_tokens; send one of them")
         max_tokens, tokens_param = mct, "max_completion_tokens"
     if max_tokens is not None:
-        s.max_tokens = max_tokens
+        _set(s, "max_tokens", max_tokens, tokens_param)
     plan.params["sampling.max_tokens"] = tokens_param
     for name in ("temperature", "top_p", "min_p"):
         value = _get(body, name, (int, float))
         if value is not None:
-            if not math.isfinite(value):
-                raise bad(name, "must be finite")
-            setattr(s, name, value)
+            _set(s, name, value, name)
         plan.params[f"sampling.{name}"] = name
-    if (t := _get(body, "temperature", (int, float))) is not None and t > 2:
-        raise bad("temperature", f"must be in [0, 2], got {t}")
     for name in ("top_k", "min_tokens"):
         value = _get(body, name, int)
         if value is not None:
             if name == "top_k" and value == -1:
                 value = 0  # vLLM's "off"
-            setattr(s, name, value)
+            _set(s, name, value, name)
         plan.params[f"sampling.{name}"] = name
     seed = _get(body, "seed", int)
     if seed is not None:
-        if not 0 <= seed < 2**63:
-            raise bad("seed", f"must be in [0, 2**63), got {seed}")
+        if not 0 <= seed < 2**64:
+            raise bad("seed", f"must be in [0, 2**64), got {seed}")
         s.seed = seed
+    plan.params["sampling.seed"] = "seed"
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -180,12 +193,27 @@ def _sampling(body: dict, plan: Plan, endpoint: str) -> common_pb2.SamplingParam
         s.stop.extend(stop)
     plan.params["sampling.stop"] = "stop"
     ids = _get(body, "stop_token_ids", list, [])
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**32 for i in ids):
         raise bad("stop_token_ids", "must be an array of token ids")
     s.stop_token_ids.extend(ids)
     plan.params["sampling.stop_token_ids"] = "stop_token_ids"
     s.ignore_eos = bool(_get(body, "ignore_eos", bool, False))
+    plan.params["sampling.ignore_eos"] = "ignore_eos"
+    try:
+        checked = validate_sampling(s, limits)
+    except InvalidArgument as exc:
+        raise _invalid(exc, plan) from None
+    if checked.temperature > 2:  # OpenAI's range; the gRPC API takes any finite value >= 0
+        raise bad("temperature", f"must be in [0, 2], got {checked.temperature}")
     return s
+
+
+def _invalid(exc: InvalidArgument, plan: Plan) -> OpenAIError:
+    """The 400 for an InvalidArgument of the shared validation, naming the OpenAI param."""
+    message = str(exc)
+    if exc.field and message.startswith(f"{exc.field}: "):
+        message = message[len(exc.field) + 2:]
+    return bad(plan.param(exc.field) if exc.field else None, message)
 
 
 def _whitespace(options: common_pb2.GrammarOptions, so: dict, plan: Plan) -> None:
@@ -373,8 +401,8 @@ def _messages(body: dict) -> list[gateway_pb2.ChatMessage]:
     return out
 
 
-def _common(body: dict, endpoint: str) -> tuple[Plan, int, common_pb2.SamplingParams,
-                                                common_pb2.GrammarSpec]:
+def _common(body: dict, endpoint: str, limits: Limits) -> tuple[
+        Plan, int, common_pb2.SamplingParams, common_pb2.GrammarSpec]:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     _refuse_unsupported(body)
@@ -392,7 +420,7 @@ def _common(body: dict, endpoint: str) -> tuple[Plan, int, common_pb2.SamplingPa
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise bad("request_timeout", "must be a number of seconds > 0")
     plan.timeout = timeout
-    sampling = _sampling(body, plan, endpoint)
+    sampling = _sampling(body, plan, endpoint, limits)
     spec = _constraint(body, plan, endpoint)
     plan.params.update({"model": "model", "request": "request"})
     return plan, n, sampling, spec
@@ -404,14 +432,15 @@ def _fan_out(plan: Plan, base: gateway_pb2.GenerateRequest, n: int, prompt_index
         req.CopyFrom(base)
         req.request_id = f"{plan.id}-{len(plan.requests)}"
         if base.sampling.HasField("seed"):
-            req.sampling.seed = (base.sampling.seed + j) % 2**63
+            req.sampling.seed = (base.sampling.seed + j) % 2**64
         plan.requests.append(req)
         plan.prompt_of.append(prompt_index)
 
 
-def chat_plan(body: dict) -> Plan:
-    """Translate a /v1/chat/completions body. Raises OpenAIError (400) naming the field."""
-    plan, n, sampling, spec = _common(body, "chat")
+def chat_plan(body: dict, limits: Limits) -> Plan:
+    """Translate a /v1/chat/completions body for a gateway of `limits` (its vocabulary bounds
+    stop_token_ids). Raises OpenAIError (400) naming the field."""
+    plan, n, sampling, spec = _common(body, "chat", limits)
     base = gateway_pb2.GenerateRequest(model=_model(body), messages=_messages(body),
                                        sampling=sampling, constraint=spec)
     plan.params.update({"prompt": "messages", "messages": "messages"})
@@ -419,12 +448,13 @@ def chat_plan(body: dict) -> Plan:
     return plan
 
 
-def completion_plan(body: dict) -> Plan:
-    """Translate a /v1/completions body. Raises OpenAIError (400) naming the field."""
+def completion_plan(body: dict, limits: Limits) -> Plan:
+    """Translate a /v1/completions body for a gateway of `limits`. Raises OpenAIError (400)
+    naming the field."""
     for name in ("echo", "suffix"):
         if isinstance(body, dict) and body.get(name):
             raise bad(name, "is not supported; remove the field")
-    plan, n, sampling, spec = _common(body, "completion")
+    plan, n, sampling, spec = _common(body, "completion", limits)
     best_of = _get(body, "best_of", int)
     if best_of is not None and best_of != n:
         raise bad("best_of", "is not supported (only best_of = n)")

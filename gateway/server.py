@@ -97,7 +97,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         ref = await self._compile(request.constraint, context.time_remaining())
         return gateway_pb2.CompileGrammarResponse(
             key=ref.key, kind=ref.kind, cached=ref.cached, compile_seconds=ref.compile_seconds,
-            unenforced_keywords=list(ref.unenforced_keywords))
+            unenforced_keywords=list(ref.unenforced_keywords), backend=ref.backend,
+            backend_reason=ref.backend_reason)
 
     async def ListModels(self, request, context):
         return gateway_pb2.ListModelsResponse(models=[self.model_info()])
@@ -141,6 +142,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_model_len=min(known) if known else 0, groups=len(groups),
             tp_size=len(groups[0].addresses))
 
+    @property
+    def limits(self) -> Limits:
+        """The bounds every request is validated against (the HTTP translation's too)."""
+        return self._limits
+
     def ready(self) -> bool:
         """Whether at least one worker group passes its health checks."""
         return bool(self._router.healthy_groups())
@@ -179,6 +185,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ref = await self._compile(request.constraint, remaining)
             compile_seconds = ref.compile_seconds if ref.cached else time.monotonic() - t0
             admit.grammar_key = ref.key
+            admit.grammar_backend = ref.backend
             admit.grammar.CopyFrom(request.constraint)
         return Job(admit=admit, request_id=request_id, kind=kind, stops=stops, include_stop=include_stop,
                    schema=request.constraint.json_schema if kind == "json_schema" else None,

@@ -6,13 +6,11 @@ grammar service, which names `constraint.<...>` fields the same way.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from protos import common_pb2, gateway_pb2
 from protos.rpc import InvalidArgument
-
-DEFAULT_MAX_TOKENS = 256
+from protos.sampling import Sampling
 
 
 @dataclass(frozen=True)
@@ -21,8 +19,6 @@ class Limits:
 
     vocab_size: int
     max_request_bytes: int = 4 * 1024 * 1024
-    max_stop_strings: int = 16
-    max_stop_chars: int = 256
     max_request_id_chars: int = 128
     max_messages: int = 1024
 
@@ -72,35 +68,10 @@ def _validate_prompt(req: gateway_pb2.GenerateRequest, limits: Limits) -> None:
             raise InvalidArgument("must not be empty", field=f"messages[{i}].role")
 
 
-def validate_sampling(s: common_pb2.SamplingParams, limits: Limits) -> None:
-    """Raise InvalidArgument naming the first bad `sampling.*` field."""
-    def bad(name: str, why: str):
-        raise InvalidArgument(why, field=f"sampling.{name}")
-
-    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    if max_tokens < 1:
-        bad("max_tokens", f"must be >= 1, got {max_tokens}")
-    if s.HasField("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0):
-        bad("temperature", f"must be finite and >= 0, got {s.temperature}")
-    if s.HasField("top_p") and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
-        bad("top_p", f"must be in (0, 1], got {s.top_p}")
-    if s.top_k < 0:
-        bad("top_k", f"must be >= 0, got {s.top_k}")
-    if not (math.isfinite(s.min_p) and 0 <= s.min_p <= 1):
-        bad("min_p", f"must be in [0, 1], got {s.min_p}")
-    if s.min_tokens < 0:
-        bad("min_tokens", f"must be >= 0, got {s.min_tokens}")
-    if s.min_tokens > max_tokens:
-        bad("min_tokens", f"must be <= max_tokens ({max_tokens}), got {s.min_tokens}")
-    if len(s.stop) > limits.max_stop_strings:
-        bad("stop", f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
-    for i, stop in enumerate(s.stop):
-        if not stop or len(stop) > limits.max_stop_chars:
-            bad(f"stop[{i}]", f"must be 1 to {limits.max_stop_chars} characters")
-    for i, tok in enumerate(s.stop_token_ids):
-        if tok >= limits.vocab_size:
-            bad(f"stop_token_ids[{i}]",
-                f"token id {tok} is outside the vocabulary (size {limits.vocab_size})")
+def validate_sampling(s: common_pb2.SamplingParams, limits: Limits) -> Sampling:
+    """The request's typed sampling; InvalidArgument names the first bad `sampling.*` field
+    (the same rules the worker applies to its Admit: protos/sampling.py)."""
+    return Sampling.from_proto(s, vocab_size=limits.vocab_size)
 
 
 def validate_constraint(spec: common_pb2.GrammarSpec) -> None:

@@ -1,11 +1,13 @@
 """The compiled-grammar cache: a byte-bounded LRU in memory, optionally backed by a directory.
 
-Entries are the serialized compiled grammar (xgrammar's JSON, as bytes) with the spec it was
-made from, keyed by `specs.cache_key`. With a directory, every compile is also written to
-`<dir>/<key>.grammar` atomically (temp file + rename) in this layout:
+Entries are the serialized compiled grammar (its backend's form, as bytes) with the spec it
+was made from, the backend that made it and why, keyed by `specs.cache_key`. With a
+directory, every compile is also written to `<dir>/<key>.grammar` atomically (temp file +
+rename) in this layout:
 
-    GRAMSERVE-GRAMMAR 1\n
-    <header JSON: key, spec, compile_seconds, payload_bytes, sha256>\n
+    GRAMSERVE-GRAMMAR 2\n
+    <header JSON: key, spec, backend, backend_reason, unenforced, compile_seconds,
+     payload_bytes, sha256>\n
     <payload bytes>
     \nEND <sha256 hex of the payload>\n
 
@@ -29,27 +31,35 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from grammar_service.choice import Compiled
 from grammar_service.metrics import GrammarMetrics
 from grammar_service.specs import CanonicalSpec
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"GRAMSERVE-GRAMMAR 1\n"
+_MAGIC = b"GRAMSERVE-GRAMMAR 2\n"
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One compiled grammar: its key, spec, serialized bytes, their sha256, compile time."""
+    """One compiled grammar: its key, spec, serialized bytes, their sha256, compile time, the
+    backend that compiled it, why that one, and the keywords it leaves unenforced."""
 
     key: str
     spec: CanonicalSpec
     payload: bytes
     sha256: str
     compile_seconds: float
+    backend: str
+    backend_reason: str = ""
+    unenforced: tuple[str, ...] = ()
 
     @classmethod
-    def make(cls, key: str, spec: CanonicalSpec, payload: bytes, compile_seconds: float) -> Entry:
-        return cls(key, spec, payload, hashlib.sha256(payload).hexdigest(), compile_seconds)
+    def make(cls, key: str, spec: CanonicalSpec, compiled: Compiled,
+             compile_seconds: float) -> Entry:
+        payload = compiled.payload
+        return cls(key, spec, payload, hashlib.sha256(payload).hexdigest(), compile_seconds,
+                   compiled.backend, compiled.reason, tuple(compiled.unenforced))
 
 
 class GrammarCache:
@@ -105,7 +115,7 @@ class GrammarCache:
         return entry
 
     def get_or_compile(self, key: str, spec: CanonicalSpec,
-                       compile_fn: Callable[[], str]) -> tuple[Entry, bool]:
+                       compile_fn: Callable[[], Compiled]) -> tuple[Entry, bool]:
         """(entry, cached): the cached entry, or the result of one `compile_fn()` call.
 
         Concurrent calls for the same key wait for the one compile already running and
@@ -130,8 +140,8 @@ class GrammarCache:
         self._metrics.cache_misses.inc()
         try:
             start = time.perf_counter()
-            payload = compile_fn().encode()
-            entry = Entry.make(key, spec, payload, time.perf_counter() - start)
+            compiled = compile_fn()
+            entry = Entry.make(key, spec, compiled, time.perf_counter() - start)
             self.put(entry)
             future.set_result(entry)
             return entry, False
@@ -174,6 +184,8 @@ class GrammarCache:
 
     def _write_file(self, entry: Entry) -> None:
         header = json.dumps({"key": entry.key, "spec": entry.spec.to_dict(),
+                             "backend": entry.backend, "backend_reason": entry.backend_reason,
+                             "unenforced": list(entry.unenforced),
                              "compile_seconds": entry.compile_seconds,
                              "payload_bytes": len(entry.payload), "sha256": entry.sha256})
         fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp-")
@@ -222,6 +234,8 @@ def _parse_file(key: str, data: bytes) -> Entry | None:
         size, digest = int(header["payload_bytes"]), str(header["sha256"])
         spec = CanonicalSpec.from_dict(header["spec"])
         compile_seconds = float(header["compile_seconds"])
+        backend, reason = str(header["backend"]), str(header["backend_reason"])
+        unenforced = tuple(str(k) for k in header["unenforced"])
     except (ValueError, KeyError, TypeError):
         return None
     body = rest[newline + 1:]
@@ -230,4 +244,4 @@ def _parse_file(key: str, data: bytes) -> Entry | None:
         return None
     if hashlib.sha256(payload).hexdigest() != digest:
         return None
-    return Entry(key, spec, payload, digest, compile_seconds)
+    return Entry(key, spec, payload, digest, compile_seconds, backend, reason, unenforced)

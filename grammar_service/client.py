@@ -12,7 +12,17 @@ def fetch_serialized(stub: grammar_pb2_grpc.GrammarServiceStub, key: str, *,
                      spec: common_pb2.GrammarSpec | None = None,
                      expected_fingerprint: str | None = None,
                      timeout: float | None = None) -> str:
-    """The serialized compiled grammar of `key` (for CompiledGrammar.deserialize_json).
+    """The serialized compiled grammar of `key` as text; `fetch_grammar` without the backend."""
+    return fetch_grammar(stub, key, spec=spec, expected_fingerprint=expected_fingerprint,
+                         timeout=timeout)[1].decode()
+
+
+def fetch_grammar(stub: grammar_pb2_grpc.GrammarServiceStub, key: str, *,
+                  spec: common_pb2.GrammarSpec | None = None,
+                  expected_fingerprint: str | None = None,
+                  timeout: float | None = None) -> tuple[str, bytes]:
+    """(backend, payload): the serialized compiled grammar of `key` and the backend it is for
+    (for grammar_service.backends' `deserialize`).
 
     Passes `spec` so the service can recompile an evicted key. Raises grpc.RpcError from
     the call, and FailedPrecondition when the payload's size or sha256 does not match the
@@ -35,4 +45,4 @@ def fetch_serialized(stub: grammar_pb2_grpc.GrammarServiceStub, key: str, *,
         raise FailedPrecondition(
             f"grammar compiled for vocabulary {first.vocab_fingerprint[:12]}, not "
             f"{expected_fingerprint[:12]}", field="key")
-    return data.decode()
+    return first.backend or "xgrammar", data

@@ -2,8 +2,8 @@
 
 Real xgrammar versions have segfaulted, hung and exhausted memory on real-world schemas. Each
 compile runs in a child process (the "spawn" context: never fork a process holding gRPC
-threads) that holds an xgrammar GrammarCompiler for the vocabulary, under a per-compile
-deadline and an address-space cap (RLIMIT_AS, set in the child above its start-up size).
+threads) that holds both backends for the vocabulary (grammar_service.backends) and picks
+one per spec (grammar_service.choice), under a per-compile deadline and an address-space cap (RLIMIT_AS, set in the child above its start-up size).
 A child that crashes, runs past the deadline or hits the cap fails that one compile with a
 clear error; the pool kills it and starts a replacement.
 
@@ -15,7 +15,6 @@ cap. Without the variable they are ordinary regexes. Only the isolation tests se
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 import os
@@ -24,7 +23,8 @@ import re
 import signal
 import threading
 
-from grammar_service.schema_fixes import fix_schema
+from grammar_service.backends import VocabView
+from grammar_service.choice import Compiled
 from grammar_service.specs import CanonicalSpec
 from protos.rpc import (
     DeadlineExceeded,
@@ -41,7 +41,8 @@ _TEST_PREFIX = "__gramserve_test_"
 
 
 class CompileInvalid(InvalidArgument):
-    """xgrammar refused the spec (syntax error, unsupported feature)."""
+    """The backend refused the spec (syntax error, unsupported feature), or options.strict
+    refused the approximation."""
 
     reason = "invalid"
 
@@ -67,17 +68,17 @@ class CompileCrashed(ServiceError):
 class CompilePool:
     """A fixed number of compile processes; `compile` blocks until one is free.
 
-    tokenizer_info_json: `xgrammar.TokenizerInfo.serialize_json()` of the vocabulary.
+    vocab: the vocabulary's VocabView (both backends are built from it in each child).
     workers: processes (>= 1). timeout_s: per-compile deadline. memory_mb: address space a
     child may add to its start-up size (0: no cap). threads: xgrammar threads per compile.
     Processes start at construction (in the background); each is ready about 1-2 s later.
     """
 
-    def __init__(self, tokenizer_info_json: str, *, workers: int = 2, timeout_s: float = 30.0,
+    def __init__(self, vocab: VocabView, *, workers: int = 2, timeout_s: float = 30.0,
                  memory_mb: int = 2048, threads: int = 1, startup_timeout_s: float = 120.0):
         if workers < 1:
             raise ValueError("workers must be >= 1")
-        self._args = (tokenizer_info_json, threads, memory_mb)
+        self._args = (vocab, threads, memory_mb)
         self._timeout_s = timeout_s
         self._startup_timeout_s = startup_timeout_s
         self._ctx = multiprocessing.get_context("spawn")
@@ -87,8 +88,8 @@ class CompilePool:
             self._idle.put(_Child(self._ctx, self._args))
         self.workers = workers
 
-    def compile(self, spec: CanonicalSpec, *, field: str = "spec") -> str:
-        """Compile `spec` in a child; return `CompiledGrammar.serialize_json()`.
+    def compile(self, spec: CanonicalSpec, *, field: str = "spec") -> Compiled:
+        """Compile `spec` in a child with the backend grammar_service.choice picks.
 
         Raises CompileInvalid (INVALID_ARGUMENT, naming `field`.kind), CompileTimeout,
         CompileMemory, CompileCrashed, or Unavailable when the pool is closed or a child
@@ -130,14 +131,15 @@ class _Child:
         child_conn.close()
         self.ready = False
 
-    def run(self, spec: CanonicalSpec, timeout_s: float, startup_s: float, field: str) -> str:
+    def run(self, spec: CanonicalSpec, timeout_s: float, startup_s: float,
+            field: str) -> Compiled:
         if not self.ready:
             self._receive(startup_s, field, starting=True)
             self.ready = True
         self.conn.send(spec.to_dict())
         return self._receive(timeout_s, field, starting=False)
 
-    def _receive(self, timeout_s: float, field: str, *, starting: bool) -> str:
+    def _receive(self, timeout_s: float, field: str, *, starting: bool):
         if not self.conn.poll(timeout_s):
             if starting:
                 raise Unavailable(f"a compile process did not start within {timeout_s:g} s")
@@ -178,12 +180,11 @@ def _describe_exit(proc) -> str:
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
-def _child_main(conn, tokenizer_info_json: str, threads: int, memory_mb: int) -> None:
+def _child_main(conn, vocab: VocabView, threads: int, memory_mb: int) -> None:
     try:
-        import xgrammar as xgr
+        from grammar_service.choice import StrictRefused, compile_spec
 
-        info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
-        compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        backends = vocab.backends(threads)
         if memory_mb > 0:
             _cap_address_space(memory_mb)
     except Exception as exc:  # reported to the parent, which fails the compile
@@ -200,7 +201,9 @@ def _child_main(conn, tokenizer_info_json: str, threads: int, memory_mb: int) ->
         try:
             if hooks and spec.kind == "regex" and spec.text.startswith(_TEST_PREFIX):
                 _run_test_hook(spec.text, memory_mb)
-            conn.send(("ok", _compile(compiler, spec).serialize_json()))
+            conn.send(("ok", compile_spec(spec, backends)))
+        except StrictRefused as exc:
+            conn.send(("invalid", str(exc)))
         except MemoryError as exc:
             conn.send(("memory", str(exc) or "out of memory"))
         except Exception as exc:
@@ -208,7 +211,8 @@ def _child_main(conn, tokenizer_info_json: str, threads: int, memory_mb: int) ->
             if "bad_alloc" in message:
                 conn.send(("memory", message))
             else:
-                conn.send(("invalid", f"xgrammar cannot compile it: {message}"))
+                name = getattr(exc, "backend", "") or "the backend"
+                conn.send(("invalid", f"{name} cannot compile it: {message}"))
 
 
 def _cap_address_space(memory_mb: int) -> None:
@@ -218,33 +222,6 @@ def _cap_address_space(memory_mb: int) -> None:
         vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
     limit = vm_kb * 1024 + memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-def _compile(compiler, spec: CanonicalSpec):
-    opts = spec.options
-    if spec.kind in ("json_schema", "json_object"):
-        schema = (json.dumps(fix_schema(json.loads(spec.text)))
-                  if spec.kind == "json_schema" else '{"type":"object"}')
-        compact = opts.whitespace == "compact"
-        return compiler.compile_json_schema(
-            schema,
-            any_whitespace=not compact,
-            separators=(",", ":") if compact else None,
-            max_whitespace_cnt=opts.max_whitespace if opts.whitespace == "bounded" else None,
-            strict_mode=not opts.allow_unlisted_properties,
-        )
-    if spec.kind == "regex":
-        return compiler.compile_regex(spec.text)
-    if spec.kind == "ebnf":
-        return compiler.compile_grammar(spec.text)
-    if spec.kind == "choice":
-        # JSON string literals are valid xgrammar EBNF string literals (same escapes).
-        choices = json.loads(spec.text)
-        return compiler.compile_grammar(
-            "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
-    if spec.kind == "structural_tag":
-        return compiler.compile_structural_tag(spec.text)
-    raise ValueError(f"unknown kind {spec.kind}")
 
 
 def _run_test_hook(name: str, memory_mb: int) -> None:

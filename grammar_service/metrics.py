@@ -16,8 +16,9 @@ class GrammarMetrics:
 
     def __init__(self, registry: CollectorRegistry):
         self.compile_seconds = Histogram(
-            "gramserve_grammar_compile_seconds", "Wall time of one successful compile.",
-            ["kind"], buckets=_COMPILE_BUCKETS, registry=registry)
+            "gramserve_grammar_compile_seconds",
+            "Wall time of one successful compile, by kind and the backend that compiled it.",
+            ["kind", "backend"], buckets=_COMPILE_BUCKETS, registry=registry)
         self.cache_hits = Counter(
             "gramserve_grammar_cache_hits_total",
             "Compile or Fetch calls answered without compiling (memory, disk, or a compile "

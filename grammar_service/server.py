@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import re
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry
 
+from grammar_service.backends import LLGUIDANCE, VERSIONS, XGRAMMAR, VocabView
 from grammar_service.cache import Entry, GrammarCache
+from grammar_service.choice import Compiled
 from grammar_service.compile_pool import CompilePool
 from grammar_service.config import GrammarServiceConfig, parse_config
 from grammar_service.metrics import GrammarMetrics
@@ -24,7 +26,7 @@ from protos.rpc import InvalidArgument, NotFound, ServiceError
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
-XGRAMMAR_VERSION = importlib.metadata.version("xgrammar")
+XGRAMMAR_VERSION = VERSIONS[XGRAMMAR]
 FETCH_CHUNK_BYTES = 1024 * 1024
 _KEY = re.compile(r"[0-9a-f]{64}")
 
@@ -49,12 +51,13 @@ class GrammarService(grammar_pb2_grpc.GrammarServiceServicer):
 
     def Compile(self, request, context):
         spec = self._parse(request.spec)
-        entry, cached = self._get_or_compile(cache_key(spec, self.vocab_fingerprint,
-                                                       XGRAMMAR_VERSION), spec)
+        entry, cached = self._get_or_compile(cache_key(spec, self.vocab_fingerprint, VERSIONS),
+                                             spec)
         return grammar_pb2.GrammarRef(
             key=entry.key, kind=spec.kind, compile_seconds=entry.compile_seconds,
-            cached=cached, unenforced_keywords=list(spec.unenforced_keywords),
-            vocab_fingerprint=self.vocab_fingerprint, serialized_bytes=len(entry.payload))
+            cached=cached, unenforced_keywords=list(entry.unenforced),
+            vocab_fingerprint=self.vocab_fingerprint, serialized_bytes=len(entry.payload),
+            backend=entry.backend, backend_reason=entry.backend_reason)
 
     def Fetch(self, request, context):
         if not _KEY.fullmatch(request.key):
@@ -66,10 +69,10 @@ class GrammarService(grammar_pb2_grpc.GrammarServiceServicer):
                 raise NotFound("not in the cache; send its spec to have it recompiled",
                                field="key")
             spec = self._parse(request.spec)
-            key = cache_key(spec, self.vocab_fingerprint, XGRAMMAR_VERSION)
+            key = cache_key(spec, self.vocab_fingerprint, VERSIONS)
             if key != request.key:
                 raise InvalidArgument(f"the spec's key is {key}, not this key (another spec, "
-                                      "vocabulary or xgrammar version)", field="key")
+                                      "vocabulary or backend version)", field="key")
             entry, _ = self._get_or_compile(key, spec)
         yield from _chunks(entry, self.vocab_fingerprint)
 
@@ -79,7 +82,7 @@ class GrammarService(grammar_pb2_grpc.GrammarServiceServicer):
             capacity_bytes=self.cache.capacity_bytes, hits=self.cache.hits,
             misses=self.cache.misses, evictions=self.cache.evictions,
             compiles_in_flight=self._in_flight, vocab_fingerprint=self.vocab_fingerprint,
-            xgrammar_version=XGRAMMAR_VERSION)
+            xgrammar_version=XGRAMMAR_VERSION, llguidance_version=VERSIONS[LLGUIDANCE])
 
     def close(self) -> None:
         """Stop the compile processes. Compile calls after this fail with UNAVAILABLE."""
@@ -95,13 +98,16 @@ class GrammarService(grammar_pb2_grpc.GrammarServiceServicer):
     def _get_or_compile(self, key: str, spec: CanonicalSpec) -> tuple[Entry, bool]:
         return self.cache.get_or_compile(key, spec, lambda: self._compile(spec))
 
-    def _compile(self, spec: CanonicalSpec) -> str:
+    def _compile(self, spec: CanonicalSpec) -> Compiled:
         with self._lock:
             self._in_flight += 1
         self.metrics.compiles_in_flight.inc()
         try:
-            with self.metrics.compile_seconds.labels(spec.kind).time():
-                return self.pool.compile(spec, field="spec")
+            start = time.perf_counter()
+            compiled = self.pool.compile(spec, field="spec")
+            self.metrics.compile_seconds.labels(spec.kind, compiled.backend).observe(
+                time.perf_counter() - start)
+            return compiled
         except ServiceError as exc:
             reason = getattr(exc, "reason", None)
             if reason:
@@ -121,6 +127,7 @@ def _chunks(entry: Entry, vocab_fingerprint: str):
             chunk.total_bytes = len(payload)
             chunk.vocab_fingerprint = vocab_fingerprint
             chunk.sha256 = entry.sha256
+            chunk.backend = entry.backend
         yield chunk
 
 
@@ -139,7 +146,7 @@ def create_server(config: GrammarServiceConfig, *, registry: CollectorRegistry |
         vocab = load_vocab(resolve_model(config.model or None))
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GrammarMetrics(registry)
-    pool = CompilePool(vocab.tokenizer_info().serialize_json(),
+    pool = CompilePool(VocabView.of(vocab),
                        workers=config.compile_workers, timeout_s=config.compile_timeout,
                        memory_mb=config.compile_memory_mb, threads=config.compile_threads)
     cache = GrammarCache(config.cache_bytes, metrics,
@@ -182,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, drain)
     signal.signal(signal.SIGINT, drain)
-    log.info("grammar service ready on %s:%d (metrics port %d, vocab %s, xgrammar %s)",
-             config.host, port, service.metrics_port, service.vocab_fingerprint[:12],
-             XGRAMMAR_VERSION)
+    log.info("grammar service ready on %s:%d (metrics port %d, vocab %s, xgrammar %s, "
+             "llguidance %s)", config.host, port, service.metrics_port,
+             service.vocab_fingerprint[:12], XGRAMMAR_VERSION, VERSIONS[LLGUIDANCE])
     server.wait_for_termination()
     service.close()
     log.info("stopped")

@@ -7,11 +7,12 @@ Canonical text per kind:
 - json_schema, structural_tag: the JSON re-serialised without whitespace, keys in their
   given order: xgrammar generates properties in schema order, so `{"a","b"}` and
   `{"b","a"}` are different grammars and must not share a key.
-- regex, ebnf: the text as given (whitespace can be significant).
+- regex, ebnf, lark: the text as given (whitespace can be significant).
 - choice: a JSON list of the choices, sorted (the order does not change the language).
 - json_object: empty.
 Options are reduced to those that apply to the kind, so an ignored option never changes the
-key. Syntax errors in regex and EBNF are found by xgrammar in the compile pool.
+key. Syntax errors in regex, EBNF and Lark are found by the backend in the compile pool, and
+so are keywords the chosen backend would not enforce (grammar_service.choice).
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from dataclasses import dataclass
 from jsonschema import exceptions as jsonschema_exceptions
 from jsonschema import validators as jsonschema_validators
 
-from grammar_service.unenforced import find_unenforced
 from protos import common_pb2
 from protos.rpc import InvalidArgument
 
-KINDS = ("json_schema", "regex", "ebnf", "choice", "json_object", "structural_tag")
+KINDS = ("json_schema", "regex", "ebnf", "choice", "json_object", "structural_tag", "lark")
 JSON_KINDS = ("json_schema", "json_object")
 
 DEFAULT_MAX_WHITESPACE = 4
@@ -40,6 +40,13 @@ _WHITESPACE_NAMES = {
     common_pb2.WHITESPACE_COMPACT: "compact",
     common_pb2.WHITESPACE_ANY: "any",
 }
+_BACKEND_NAMES = {
+    common_pb2.GRAMMAR_BACKEND_AUTO: "auto",
+    common_pb2.GRAMMAR_BACKEND_XGRAMMAR: "xgrammar",
+    common_pb2.GRAMMAR_BACKEND_LLGUIDANCE: "llguidance",
+}
+# Kinds a forced backend cannot compile (grammar_service.choice has the auto rule).
+_UNSUPPORTED = {"xgrammar": ("lark",), "llguidance": ("structural_tag",)}
 
 
 @dataclass(frozen=True)
@@ -49,27 +56,24 @@ class GrammarOptions:
     whitespace: "bounded", "compact" or "any" (JSON kinds; "bounded" otherwise, unused).
     max_whitespace: the bound with "bounded" JSON grammars, else 0.
     strict: refuse schemas with unenforced keywords (json_schema only).
-    allow_unlisted_properties: xgrammar strict_mode=False (json_schema only).
+    allow_unlisted_properties: allow properties a schema does not list (json_schema only).
+    backend: "auto", "xgrammar" or "llguidance" (every kind).
     """
 
     whitespace: str = "bounded"
     max_whitespace: int = 0
     strict: bool = False
     allow_unlisted_properties: bool = False
+    backend: str = "auto"
 
 
 @dataclass(frozen=True)
 class CanonicalSpec:
-    """A validated grammar spec in canonical form.
-
-    unenforced_keywords: paths of schema keywords xgrammar compiles without enforcing
-    (see grammar_service.unenforced); empty for every kind but json_schema.
-    """
+    """A validated grammar spec in canonical form."""
 
     kind: str
     text: str
     options: GrammarOptions
-    unenforced_keywords: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """A JSON-able dict (kind, text, options); the inverse of `from_dict`."""
@@ -77,12 +81,8 @@ class CanonicalSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> CanonicalSpec:
-        """Rebuild a spec written by `to_dict` (the unenforced list is recomputed)."""
-        options = GrammarOptions(**data["options"])
-        unenforced = ()
-        if data["kind"] == "json_schema":
-            unenforced = tuple(find_unenforced(json.loads(data["text"])))
-        return cls(data["kind"], data["text"], options, unenforced)
+        """Rebuild a spec written by `to_dict`."""
+        return cls(data["kind"], data["text"], GrammarOptions(**data["options"]))
 
 
 def canonical_json(value) -> str:
@@ -90,12 +90,17 @@ def canonical_json(value) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def cache_key(spec: CanonicalSpec, vocab_fingerprint: str, xgrammar_version: str) -> str:
-    """sha256 hex of the canonical spec, its options, the vocabulary and the xgrammar version."""
+def cache_key(spec: CanonicalSpec, vocab_fingerprint: str,
+              backend_versions: dict[str, str]) -> str:
+    """sha256 hex of the canonical spec, its options (the backend asked for among them), the
+    vocabulary, and the version of each backend that can compile it: the forced one, or both
+    for "auto" (the choice depends on both). `backend_versions`: {name: version}."""
+    asked = spec.options.backend
+    used = sorted(backend_versions) if asked == "auto" else [asked]
     material = json.dumps({
         "spec": spec.to_dict(),
         "vocab": vocab_fingerprint,
-        "xgrammar": xgrammar_version,
+        "backends": {name: backend_versions[name] for name in used},
     }, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(material.encode()).hexdigest()
 
@@ -112,8 +117,8 @@ def parse_spec(
     "constraint"), used as the prefix of every error's field path. Raises InvalidArgument
     naming the offending field: no kind set, text over `max_spec_bytes`, not JSON (with
     line and column), not a valid JSON Schema, an unsupported schema feature, an empty or
-    duplicate choice, options that do not apply to the kind, and, with `options.strict`, a
-    schema whose keywords the compiled grammar would not all enforce.
+    duplicate choice, options that do not apply to the kind, and a forced backend that does
+    not compile the kind. (`options.strict` is checked where the backend is chosen.)
     """
     kind = spec.WhichOneof("kind")
     if kind is None:
@@ -126,19 +131,13 @@ def parse_spec(
     if kind == "json_schema":
         schema = _parse_json(spec.json_schema, where, max_spec_bytes)
         _check_schema(schema, where)
-        unenforced = tuple(find_unenforced(schema))
-        if options.strict and unenforced:
-            raise InvalidArgument(
-                "schema uses keywords the compiled grammar does not enforce: "
-                f"{', '.join(unenforced)} (unset options.strict to accept an approximation)",
-                field=where)
-        return CanonicalSpec(kind, canonical_json(schema), options, unenforced)
+        return CanonicalSpec(kind, canonical_json(schema), options)
     if kind == "structural_tag":
         tag = _parse_json(spec.structural_tag, where, max_spec_bytes)
         if not isinstance(tag, dict):
             raise InvalidArgument("must be a JSON object", field=where)
         return CanonicalSpec(kind, canonical_json(tag), options)
-    if kind in ("regex", "ebnf"):
+    if kind in ("regex", "ebnf", "lark"):
         text = getattr(spec, kind)
         _check_size(text, where, max_spec_bytes)
         if not text:
@@ -162,6 +161,12 @@ def _reject_unknown_fields(message, field: str) -> None:
 
 
 def _parse_options(opts: common_pb2.GrammarOptions, kind: str, field: str) -> GrammarOptions:
+    if opts.backend not in _BACKEND_NAMES:
+        raise InvalidArgument(f"unknown backend {opts.backend}", field=f"{field}.backend")
+    backend = _BACKEND_NAMES[opts.backend]
+    if kind in _UNSUPPORTED.get(backend, ()):
+        raise InvalidArgument(f"{backend} does not compile {kind}; use GRAMMAR_BACKEND_AUTO",
+                              field=f"{field}.backend")
     if opts.whitespace not in _WHITESPACE_NAMES:
         raise InvalidArgument(f"unknown whitespace policy {opts.whitespace}",
                               field=f"{field}.whitespace")
@@ -176,7 +181,7 @@ def _parse_options(opts: common_pb2.GrammarOptions, kind: str, field: str) -> Gr
                 raise InvalidArgument(f"applies only to json_schema, not {kind}",
                                       field=f"{field}.{name}")
     if kind not in JSON_KINDS:
-        return GrammarOptions()
+        return GrammarOptions(backend=backend)
     max_ws = 0
     if whitespace == "bounded":
         max_ws = opts.max_whitespace or DEFAULT_MAX_WHITESPACE
@@ -187,7 +192,8 @@ def _parse_options(opts: common_pb2.GrammarOptions, kind: str, field: str) -> Gr
     elif opts.max_whitespace:
         raise InvalidArgument("applies only with WHITESPACE_BOUNDED",
                               field=f"{field}.max_whitespace")
-    return GrammarOptions(whitespace, max_ws, opts.strict, opts.allow_unlisted_properties)
+    return GrammarOptions(whitespace, max_ws, opts.strict, opts.allow_unlisted_properties,
+                          backend)
 
 
 def _check_size(text: str, field: str, max_spec_bytes: int) -> None:

@@ -1,11 +1,14 @@
 """JSON Schema keywords xgrammar 0.2.9 compiles without enforcing, and the walk that finds them.
 
+The table is xgrammar's: a grammar compiled by llguidance enforces what it compiles (it
+refuses the rest), so nothing is reported for it (see grammar_service.choice).
+
 Each entry of UNENFORCED carries its evidence: a schema using the keyword and an instance on
 which xgrammar's compiled grammar and the schema disagree (the schema rejects it and the
 grammar accepts it, or the other way round). tests/test_grammar_unenforced.py compiles every
 example with real xgrammar, so an upgrade that starts enforcing a keyword fails a test and
 the entry can be dropped. Keywords found enforced when this table was made (so absent here):
-minLength/maxLength without a pattern, minimum/maximum and their exclusive forms,
+minLength/maxLength without a pattern (up to the rewrite cap of schema_fixes), minimum/maximum and their exclusive forms,
 multipleOf (integer, on type integer, no range), enum, const, propertyNames, min/maxProperties, min/maxItems, prefixItems,
 anyOf, additionalProperties, unevaluatedProperties/Items, local $ref, and the formats in
 ENFORCED_FORMATS.
@@ -19,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from grammar_service.schema_fixes import bounded_length_is_rewritten
+
 # Format values xgrammar 0.2.9 turns into a grammar; any other value is accepted as a string.
 ENFORCED_FORMATS = frozenset({
     "email", "date", "time", "date-time", "duration", "uri", "uri-reference", "uri-template",
@@ -30,8 +35,14 @@ def _always(node: dict) -> bool:
     return True
 
 
-def _next_to_pattern(node: dict) -> bool:
-    return "pattern" in node
+def _length_unenforced(node: dict) -> bool:
+    # Next to a pattern xgrammar drops the bound. Without one it enforces the bound but lets
+    # raw control characters into the string, which schema_fixes rewrites away only up to
+    # MAX_REWRITTEN_LENGTH (a longer repetition explodes the compile).
+    if "pattern" in node:
+        return True
+    return (node.get("type") == "string" and not {"format", "enum", "const"} & node.keys()
+            and not bounded_length_is_rewritten(node))
 
 
 def _unknown_format(node: dict) -> bool:
@@ -71,12 +82,14 @@ UNENFORCED: tuple[Unenforced, ...] = (
     Unenforced("allOf", _always,
                {"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]},
                9, "approximated"),
-    Unenforced("minLength", _next_to_pattern,
+    Unenforced("minLength", _length_unenforced,
                {"type": "string", "pattern": "^[a-z]+$", "minLength": 5}, "ab",
-               "dropped next to a pattern"),
-    Unenforced("maxLength", _next_to_pattern,
+               "dropped next to a pattern; above schema_fixes.MAX_REWRITTEN_LENGTH raw "
+               "control characters are accepted"),
+    Unenforced("maxLength", _length_unenforced,
                {"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, "abcde",
-               "dropped next to a pattern"),
+               "dropped next to a pattern; above schema_fixes.MAX_REWRITTEN_LENGTH raw "
+               "control characters are accepted"),
     Unenforced("format", _unknown_format,
                {"type": "string", "format": "regex"}, "((",
                "values outside ENFORCED_FORMATS accept any string"),

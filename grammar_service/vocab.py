@@ -91,6 +91,19 @@ class Vocab:
                 self._cache["tokenizer_info"] = info
             return info
 
+    def llguidance_tokenizer(self):
+        """llguidance's LLTokenizer for this vocabulary, built once and then cached: the same
+        `tokenizers` object, `model_vocab_size` ids (as tokenizer_info) and `eos_token_ids`."""
+        with self._lock:
+            tok = self._cache.get("llguidance_tokenizer")
+            if tok is None:
+                from grammar_service.backends import llguidance_tokenizer
+
+                tok = llguidance_tokenizer(self.tokenizer.to_str(), self.model_vocab_size,
+                                           self.eos_token_ids)
+                self._cache["llguidance_tokenizer"] = tok
+            return tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens` the tokenizer's post-processor
         adds what it adds (BOS for the default model). No state changes."""

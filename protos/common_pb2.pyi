@@ -13,6 +13,12 @@ class Whitespace(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WHITESPACE_COMPACT: _ClassVar[Whitespace]
     WHITESPACE_ANY: _ClassVar[Whitespace]
 
+class GrammarBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAMMAR_BACKEND_AUTO: _ClassVar[GrammarBackend]
+    GRAMMAR_BACKEND_XGRAMMAR: _ClassVar[GrammarBackend]
+    GRAMMAR_BACKEND_LLGUIDANCE: _ClassVar[GrammarBackend]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -27,6 +33,9 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 WHITESPACE_BOUNDED: Whitespace
 WHITESPACE_COMPACT: Whitespace
 WHITESPACE_ANY: Whitespace
+GRAMMAR_BACKEND_AUTO: GrammarBackend
+GRAMMAR_BACKEND_XGRAMMAR: GrammarBackend
+GRAMMAR_BACKEND_LLGUIDANCE: GrammarBackend
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -38,16 +47,18 @@ FINISH_REASON_ERROR_DIVERGENCE: FinishReason
 FINISH_REASON_ERROR_INTERNAL: FinishReason
 
 class GrammarOptions(_message.Message):
-    __slots__ = ("whitespace", "max_whitespace", "strict", "allow_unlisted_properties")
+    __slots__ = ("whitespace", "max_whitespace", "strict", "allow_unlisted_properties", "backend")
     WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     MAX_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
     ALLOW_UNLISTED_PROPERTIES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     whitespace: Whitespace
     max_whitespace: int
     strict: bool
     allow_unlisted_properties: bool
-    def __init__(self, whitespace: _Optional[_Union[Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., strict: _Optional[bool] = ..., allow_unlisted_properties: _Optional[bool] = ...) -> None: ...
+    backend: GrammarBackend
+    def __init__(self, whitespace: _Optional[_Union[Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., strict: _Optional[bool] = ..., allow_unlisted_properties: _Optional[bool] = ..., backend: _Optional[_Union[GrammarBackend, str]] = ...) -> None: ...
 
 class ChoiceList(_message.Message):
     __slots__ = ("choices",)
@@ -60,13 +71,14 @@ class JsonObject(_message.Message):
     def __init__(self) -> None: ...
 
 class GrammarSpec(_message.Message):
-    __slots__ = ("json_schema", "regex", "ebnf", "choice", "json_object", "structural_tag", "options")
+    __slots__ = ("json_schema", "regex", "ebnf", "choice", "json_object", "structural_tag", "lark", "options")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     EBNF_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     regex: str
@@ -74,8 +86,9 @@ class GrammarSpec(_message.Message):
     choice: ChoiceList
     json_object: JsonObject
     structural_tag: str
+    lark: str
     options: GrammarOptions
-    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., structural_tag: _Optional[str] = ..., options: _Optional[_Union[GrammarOptions, _Mapping]] = ...) -> None: ...
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., structural_tag: _Optional[str] = ..., lark: _Optional[str] = ..., options: _Optional[_Union[GrammarOptions, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output")

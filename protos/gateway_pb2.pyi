@@ -92,18 +92,22 @@ class CompileGrammarRequest(_message.Message):
     def __init__(self, constraint: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class CompileGrammarResponse(_message.Message):
-    __slots__ = ("key", "kind", "cached", "compile_seconds", "unenforced_keywords")
+    __slots__ = ("key", "kind", "cached", "compile_seconds", "unenforced_keywords", "backend", "backend_reason")
     KEY_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UNENFORCED_KEYWORDS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_REASON_FIELD_NUMBER: _ClassVar[int]
     key: str
     kind: str
     cached: bool
     compile_seconds: float
     unenforced_keywords: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, key: _Optional[str] = ..., kind: _Optional[str] = ..., cached: _Optional[bool] = ..., compile_seconds: _Optional[float] = ..., unenforced_keywords: _Optional[_Iterable[str]] = ...) -> None: ...
+    backend: str
+    backend_reason: str
+    def __init__(self, key: _Optional[str] = ..., kind: _Optional[str] = ..., cached: _Optional[bool] = ..., compile_seconds: _Optional[float] = ..., unenforced_keywords: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

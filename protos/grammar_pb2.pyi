@@ -14,7 +14,7 @@ class CompileRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ...) -> None: ...
 
 class GrammarRef(_message.Message):
-    __slots__ = ("key", "kind", "compile_seconds", "cached", "unenforced_keywords", "vocab_fingerprint", "serialized_bytes")
+    __slots__ = ("key", "kind", "compile_seconds", "cached", "unenforced_keywords", "vocab_fingerprint", "serialized_bytes", "backend", "backend_reason")
     KEY_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class GrammarRef(_message.Message):
     UNENFORCED_KEYWORDS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SERIALIZED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_REASON_FIELD_NUMBER: _ClassVar[int]
     key: str
     kind: str
     compile_seconds: float
@@ -29,7 +31,9 @@ class GrammarRef(_message.Message):
     unenforced_keywords: _containers.RepeatedScalarFieldContainer[str]
     vocab_fingerprint: str
     serialized_bytes: int
-    def __init__(self, key: _Optional[str] = ..., kind: _Optional[str] = ..., compile_seconds: _Optional[float] = ..., cached: _Optional[bool] = ..., unenforced_keywords: _Optional[_Iterable[str]] = ..., vocab_fingerprint: _Optional[str] = ..., serialized_bytes: _Optional[int] = ...) -> None: ...
+    backend: str
+    backend_reason: str
+    def __init__(self, key: _Optional[str] = ..., kind: _Optional[str] = ..., compile_seconds: _Optional[float] = ..., cached: _Optional[bool] = ..., unenforced_keywords: _Optional[_Iterable[str]] = ..., vocab_fingerprint: _Optional[str] = ..., serialized_bytes: _Optional[int] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("key", "spec")
@@ -40,23 +44,25 @@ class FetchRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ...) -> None: ...
 
 class GrammarChunk(_message.Message):
-    __slots__ = ("data", "total_bytes", "vocab_fingerprint", "sha256")
+    __slots__ = ("data", "total_bytes", "vocab_fingerprint", "sha256", "backend")
     DATA_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     total_bytes: int
     vocab_fingerprint: str
     sha256: str
-    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+    backend: str
+    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., sha256: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GrammarStats(_message.Message):
-    __slots__ = ("entries", "bytes", "capacity_bytes", "hits", "misses", "evictions", "compiles_in_flight", "vocab_fingerprint", "xgrammar_version")
+    __slots__ = ("entries", "bytes", "capacity_bytes", "hits", "misses", "evictions", "compiles_in_flight", "vocab_fingerprint", "xgrammar_version", "llguidance_version")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +72,7 @@ class GrammarStats(_message.Message):
     COMPILES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     XGRAMMAR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LLGUIDANCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     entries: int
     bytes: int
     capacity_bytes: int
@@ -75,4 +82,5 @@ class GrammarStats(_message.Message):
     compiles_in_flight: int
     vocab_fingerprint: str
     xgrammar_version: str
-    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., xgrammar_version: _Optional[str] = ...) -> None: ...
+    llguidance_version: str
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., compiles_in_flight: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., xgrammar_version: _Optional[str] = ..., llguidance_version: _Optional[str] = ...) -> None: ...

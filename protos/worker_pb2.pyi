@@ -28,7 +28,7 @@ class SessionRequest(_message.Message):
     def __init__(self, admit: _Optional[_Union[AdmitRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "slot", "prompt_token_ids", "sampling", "grammar_key", "grammar", "tag")
+    __slots__ = ("request_id", "slot", "prompt_token_ids", "sampling", "grammar_key", "grammar", "tag", "grammar_backend")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class AdmitRequest(_message.Message):
     GRAMMAR_KEY_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_BACKEND_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     slot: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -43,7 +44,8 @@ class AdmitRequest(_message.Message):
     grammar_key: str
     grammar: _common_pb2.GrammarSpec
     tag: int
-    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., grammar_key: _Optional[str] = ..., grammar: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ..., tag: _Optional[int] = ...) -> None: ...
+    grammar_backend: str
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., grammar_key: _Optional[str] = ..., grammar: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ..., tag: _Optional[int] = ..., grammar_backend: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("admitted", "step")

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from grammar_service.cache import GrammarCache
+from grammar_service.choice import Compiled
 from grammar_service.metrics import GrammarMetrics
 from grammar_service.specs import CanonicalSpec, GrammarOptions
 
@@ -19,10 +20,10 @@ def make_cache(capacity=1000, cache_dir=None):
     return GrammarCache(capacity, GrammarMetrics(CollectorRegistry()), cache_dir)
 
 
-def compiler(payload: str, calls: list):
+def compiler(payload: str, calls: list, backend: str = "xgrammar"):
     def compile_fn():
         calls.append(1)
-        return payload
+        return Compiled(backend, "a reason", ("not",), payload.encode())
     return compile_fn
 
 
@@ -48,6 +49,14 @@ def test_restart_with_cache_dir_serves_from_disk_without_compiling(tmp_path):
     entry, cached = make_cache(cache_dir=tmp_path).get_or_compile(
         "k", SPEC, compiler("other", calls))
     assert cached and entry.payload == b"payload" and entry.spec == SPEC and len(calls) == 1
+
+
+def test_disk_copy_keeps_the_backend_its_reason_and_unenforced_keywords(tmp_path):
+    make_cache(cache_dir=tmp_path).get_or_compile("k", SPEC,
+                                                  compiler("p", [], backend="llguidance"))
+    entry = make_cache(cache_dir=tmp_path).get("k")
+    assert (entry.backend, entry.backend_reason, entry.unenforced) == (
+        "llguidance", "a reason", ("not",))
 
 
 @pytest.mark.parametrize("damage", ["flip_payload_byte", "truncate", "empty", "wrong_key"])

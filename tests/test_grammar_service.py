@@ -17,7 +17,8 @@ import pytest
 import xgrammar as xgr
 from prometheus_client import CollectorRegistry
 
-from grammar_service.client import fetch_serialized
+from grammar_service.backends import backend_for
+from grammar_service.client import fetch_grammar, fetch_serialized
 from grammar_service.compile_pool import TEST_HOOKS_ENV
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.default_model import ensure_default_model
@@ -61,9 +62,12 @@ def compile_(stub, **spec):
 
 
 def matcher_for(stub, vocab, ref):
-    text = fetch_serialized(stub, ref.key, expected_fingerprint=vocab.fingerprint, timeout=30)
-    compiled = xgr.CompiledGrammar.deserialize_json(text, vocab.tokenizer_info())
-    return xgr.GrammarMatcher(compiled)
+    """A matcher of the backend the service names, from the fetched grammar (as a rank)."""
+    name, payload = fetch_grammar(stub, ref.key, expected_fingerprint=vocab.fingerprint,
+                                  timeout=30)
+    assert name == ref.backend
+    backend = backend_for(vocab, name)
+    return backend.new_matcher(backend.deserialize(payload))
 
 
 def accepts(matcher, vocab, text: str) -> bool:
@@ -167,6 +171,22 @@ def test_unenforced_keywords_are_reported_and_strict_refuses_them(served):
     strict_ok = compile_(stub, json_schema=json.dumps(PERSON),
                          options=common_pb2.GrammarOptions(strict=True))
     assert list(strict_ok.unenforced_keywords) == []
+
+
+def test_compile_reports_the_backend_and_why_and_a_forced_backend_has_its_own_key(
+        served, vocab):
+    _, stub, _ = served
+    schema = json.dumps({**PERSON, "title": "backend-choice"})
+    auto = compile_(stub, json_schema=schema)
+    forced = compile_(stub, json_schema=schema, options=common_pb2.GrammarOptions(
+        backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR))
+    assert (auto.backend, forced.backend) == ("llguidance", "xgrammar")
+    assert auto.backend_reason.startswith("auto: ") and "forced" in forced.backend_reason
+    assert auto.key != forced.key
+    for ref in (auto, forced):
+        assert accepts(matcher_for(stub, vocab, ref), vocab, '{"name": "Al", "age": 31}')
+    stats = stub.Stats(grammar_pb2.StatsRequest(), timeout=10)
+    assert stats.llguidance_version == importlib.metadata.version("llguidance")
 
 
 def _unknown_field_spec():
@@ -308,7 +328,7 @@ def test_metrics_are_served_over_http_and_move(served):
         before["gramserve_grammar_cache_misses_total"] + 1
     assert after["gramserve_grammar_cache_hits_total"] >= \
         before["gramserve_grammar_cache_hits_total"] + 1
-    kind = 'gramserve_grammar_compile_seconds_count{kind="regex"}'
+    kind = 'gramserve_grammar_compile_seconds_count{backend="xgrammar",kind="regex"}'
     assert after[kind] == before.get(kind, 0) + 1
     invalid = 'gramserve_grammar_compile_failures_total{reason="invalid"}'
     assert after[invalid] == before[invalid] + 1

@@ -6,14 +6,16 @@ import pytest
 
 from gateway import openai_responses as orsp
 from gateway import openai_translate as ot
+from gateway.validation import Limits, validate_sampling
 from protos import common_pb2, gateway_pb2
 from protos.rpc import InvalidArgument, ResourceExhausted, Unavailable
 
 HI = [{"role": "user", "content": "Hi"}]
+LIMITS = Limits(vocab_size=100)
 
 
 def chat(**kw):
-    return ot.chat_plan({"model": "m", "messages": HI, **kw})
+    return ot.chat_plan({"model": "m", "messages": HI, **kw}, LIMITS)
 
 
 def test_n_choices_get_consecutive_seeds_and_their_own_requests():
@@ -61,8 +63,47 @@ def test_several_tools_required_is_an_anyof_of_name_and_arguments():
 ])
 def test_refusals_name_the_openai_field(kw, param):
     with pytest.raises(ot.OpenAIError) as info:
-        ot.chat_plan({"model": "m", "messages": HI, **kw})
+        ot.chat_plan({"model": "m", "messages": HI, **kw}, LIMITS)
     assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("kw,param,words", [
+    (dict(top_p=2.0), "top_p", "must be in (0, 1]"),
+    (dict(top_p=0), "top_p", "must be in (0, 1]"),
+    (dict(temperature=float("nan")), "temperature", "must be finite"),
+    (dict(temperature=-1), "temperature", "must be finite and >= 0"),
+    (dict(min_p=1.5), "min_p", "must be in [0, 1]"),
+    (dict(top_k=-2), "top_k", "must be >= 0"),
+    (dict(max_completion_tokens=0), "max_completion_tokens", "must be >= 1"),
+    (dict(max_tokens=4, min_tokens=5), "min_tokens", "must be <= max_tokens (4)"),
+    (dict(stop=["a"] * 17), "stop", "at most 16 stop strings"),
+    (dict(stop=["a", ""]), "stop", "must be 1 to 256 characters"),
+    (dict(stop_token_ids=[3, 100]), "stop_token_ids", "outside the vocabulary (size 100)"),
+    (dict(max_tokens=2**40), "max_tokens", "out of range"),
+])
+def test_sampling_is_checked_by_the_grpc_rules_before_any_choice_runs(kw, param, words):
+    """The gRPC path's validate_sampling (protos/sampling.py) decides, naming the OpenAI field."""
+    with pytest.raises(ot.OpenAIError) as info:
+        chat(**kw)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert words in info.value.message and info.value.message.startswith(f"{param}: ")
+
+
+def test_accepted_sampling_is_what_validate_sampling_accepts():
+    (req,) = chat(temperature=0, top_p=0.5, top_k=-1, min_p=0.1, max_tokens=7, min_tokens=7,
+                  stop_token_ids=[99], ignore_eos=True, seed=2**64 - 1).requests
+    s = validate_sampling(req.sampling, LIMITS)
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.min_tokens) == (0, 0.5, 0, 7, 7)
+    assert s.stop_token_ids == {99} and s.ignore_eos and s.seed == 2**64 - 1
+    assert chat(temperature=2).requests[0].sampling.temperature == 2
+    with pytest.raises(ot.OpenAIError) as info:  # OpenAI's bound, above the gRPC API's
+        chat(temperature=2.5)
+    assert info.value.param == "temperature"
+    with pytest.raises(ot.OpenAIError) as info:
+        chat(seed=2**64)
+    assert info.value.param == "seed"
+    plan = chat(n=2, seed=2**64 - 1)  # the seeds of the choices wrap around the uint64
+    assert [r.sampling.seed for r in plan.requests] == [2**64 - 1, 0]
 
 
 def test_errors_of_the_shared_path_name_the_openai_field():
@@ -78,7 +119,7 @@ def test_errors_of_the_shared_path_name_the_openai_field():
 
 
 def test_completions_fan_out_over_prompts_and_count_each_prompt_once():
-    plan = ot.completion_plan({"model": "m", "prompt": ["a", [1, 2]], "n": 2})
+    plan = ot.completion_plan({"model": "m", "prompt": ["a", [1, 2]], "n": 2}, LIMITS)
     assert plan.prompt_of == [0, 0, 1, 1]
     assert plan.requests[2].prompt_token_ids == [1, 2] and plan.requests[0].prompt == "a"
     finals = [gateway_pb2.Final(usage=common_pb2.Usage(prompt_tokens=p, completion_tokens=3))

@@ -1,8 +1,9 @@
 """The worker's grammar cache against a real gRPC GrammarService on loopback.
 
 The servicer below is a small stand-in written for these tests: it compiles specs with real
-xgrammar against the default model's vocabulary and streams them in small chunks, and it can
-be told to lie (wrong fingerprint, corrupt payload) or to hold a fetch open.
+xgrammar or llguidance against the default model's vocabulary and streams them in small
+chunks, and it can be told to lie (wrong fingerprint, corrupt payload, another backend's
+payload) or to hold a fetch open.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import xgrammar as xgr
 from prometheus_client import CollectorRegistry
 
 from gpu_worker.guided.grammar_cache import WorkerGrammarCache
+from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.metrics import WorkerMetrics
+from grammar_service.backends import LLGuidanceMatcher, backend_for
 from grammar_service.default_model import ensure_default_model
+from grammar_service.specs import parse_spec
 from grammar_service.vocab import Vocab, load_vocab
 from protos import common_pb2, grammar_pb2, grammar_pb2_grpc
 from protos.rpc import (
@@ -42,8 +47,10 @@ class TinyGrammarService(grammar_pb2_grpc.GrammarServiceServicer):
 
     def __init__(self, vocab: Vocab):
         self.compiler = xgr.GrammarCompiler(vocab.tokenizer_info(), max_threads=1)
+        self.llguidance = backend_for(vocab, "llguidance")
         self.fingerprint = vocab.fingerprint
-        self.store: dict[str, tuple[bytes, str, str]] = {}  # key -> payload, fingerprint, sha
+        # key -> payload, fingerprint, sha, backend named in the first chunk ("" = not named)
+        self.store: dict[str, tuple[bytes, str, str, str]] = {}
         self.fetches = 0
         self.gate: threading.Event | None = None  # when set, Fetch waits for it
 
@@ -56,11 +63,18 @@ class TinyGrammarService(grammar_pb2_grpc.GrammarServiceServicer):
         raise InvalidArgument(f"unsupported here: {kind}", field="spec")
 
     def add(self, key: str, spec: common_pb2.GrammarSpec, *, fingerprint: str | None = None,
-            payload: bytes | None = None, sha: str | None = None) -> int:
-        payload = self.compile(spec) if payload is None else payload
+            payload: bytes | None = None, sha: str | None = None, backend: str = "") -> int:
+        """Store `spec` compiled by `backend` ("" or "xgrammar": xgrammar, named as "" in the
+        chunk, as an older service does), or `payload` as given, named as `backend`."""
+        if payload is None:
+            payload = self.compile_llguidance(spec) if backend == "llguidance" \
+                else self.compile(spec)
         self.store[key] = (payload, fingerprint or self.fingerprint,
-                           sha or hashlib.sha256(payload).hexdigest())
+                           sha or hashlib.sha256(payload).hexdigest(), backend)
         return len(payload)
+
+    def compile_llguidance(self, spec: common_pb2.GrammarSpec) -> bytes:
+        return self.llguidance.serialize(self.llguidance.compile(parse_spec(spec)))
 
     def Fetch(self, request, context):
         self.fetches += 1
@@ -70,12 +84,13 @@ class TinyGrammarService(grammar_pb2_grpc.GrammarServiceServicer):
             if not request.HasField("spec"):
                 raise NotFound(f"unknown grammar key {request.key!r}", field="key")
             self.add(request.key, request.spec)
-        payload, fingerprint, sha = self.store[request.key]
+        payload, fingerprint, sha, backend = self.store[request.key]
         for offset in range(0, len(payload), CHUNK):
             first = offset == 0
             yield grammar_pb2.GrammarChunk(
                 data=payload[offset:offset + CHUNK], total_bytes=len(payload) if first else 0,
-                vocab_fingerprint=fingerprint if first else "", sha256=sha if first else "")
+                vocab_fingerprint=fingerprint if first else "", sha256=sha if first else "",
+                backend=backend if first else "")
 
 
 def regex(pattern: str) -> common_pb2.GrammarSpec:
@@ -289,3 +304,76 @@ def test_concurrent_acquires_share_one_failure(service, vocab):
     assert service.fetches == 1
     assert all(isinstance(e, NotFound) for e in errors)
     assert cache.stats() == {"entries": 0, "bytes": 0, "pinned": 0}
+
+
+BOUNDED = json.dumps({"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
+    "required": ["code"]})
+
+
+def _accepts(matcher, vocab, text: str) -> bool:
+    matcher.reset()
+    return all(matcher.accept_token(t) for t in vocab.encode(text, add_special_tokens=False)) \
+        and matcher.accept_token(vocab.eos_token_ids[0]) and matcher.is_terminated()
+
+
+def test_llguidance_grammar_gives_llguidance_matchers_that_enforce_it(service, vocab):
+    service.add("llg", common_pb2.GrammarSpec(json_schema=BOUNDED), backend="llguidance")
+    cache = _cache(service, vocab)
+    handle = cache.acquire("llg", None, backend="llguidance")
+    assert handle.backend_name == "llguidance"
+    first, second = handle.new_matcher(), handle.new_matcher()
+    assert isinstance(first, LLGuidanceMatcher) and first is not second
+    assert _accepts(first, vocab, '{"code": "abc"}')
+    assert not _accepts(second, vocab, '{"code": "abcd"}')  # maxLength next to a pattern
+    assert cache.acquire("llg", None) is handle  # a hit, with no backend expectation
+
+
+def test_llguidance_and_xgrammar_matchers_fill_rows_of_the_shared_bitmask(service, vocab):
+    service.add("llg", common_pb2.GrammarSpec(json_schema=BOUNDED), backend="llguidance")
+    service.add("xgr", common_pb2.GrammarSpec(json_schema=SCHEMA))
+    cache = _cache(service, vocab)
+    llg, xg = cache.acquire("llg", None), cache.acquire("xgr", None)
+    rows = 12
+    masks = MaskFiller(rows, vocab.model_vocab_size, torch.device("cpu"), fill_threads=1)
+    masks.host.fill_(0x5A5A5A5A)  # stale bits everywhere: every filled row must be rewritten
+    # Eight xgrammar rows take xgrammar's batch path; the llguidance rows fill themselves.
+    matchers = [xg.new_matcher() for _ in range(8)] + [llg.new_matcher() for _ in range(2)]
+    for token in vocab.encode('{"code": "a', add_special_tokens=False):
+        assert matchers[9].accept_token(token)
+    slots = [0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 6, 10]
+    masks.fill(matchers, slots[:10])
+    for m, slot in zip(matchers[8:], slots[8:10], strict=True):
+        expected = torch.zeros((1, masks.width), dtype=torch.int32)
+        m.fill_next_token_bitmask(expected, 0)
+        assert torch.equal(masks.host[slot], expected[0])
+    assert not torch.equal(masks.host[slots[8]], masks.host[slots[9]])  # two states, two masks
+    for slot in slots[10:]:  # rows not handed to fill are untouched
+        assert (masks.host[slot] == 0x5A5A5A5A).all()
+
+
+def test_grammar_never_pairs_with_the_other_backends_matcher(service, vocab, metrics):
+    service.add("llg", regex("[a-z]+"), backend="llguidance")
+    service.add("xgr", regex("[a-z]+"))
+    # An xgrammar payload named as llguidance's, and the other way round.
+    service.add("xgr-as-llg", regex("[0-9]+"), payload=service.compile(regex("[0-9]+")),
+                backend="llguidance")
+    service.add("llg-as-xgr", regex("[0-9]+"), backend="xgrammar",
+                payload=service.compile_llguidance(regex("[0-9]+")))
+    cache = _cache(service, vocab, metrics)
+    for key in ("xgr-as-llg", "llg-as-xgr"):
+        with pytest.raises(FailedPrecondition, match="does not deserialize"):
+            cache.acquire(key, None)
+    # The caller expects one backend and the grammar is the other's: refused, nothing pinned.
+    with pytest.raises(FailedPrecondition, match="compiled by llguidance, not xgrammar"):
+        cache.acquire("llg", None, backend="xgrammar")
+    handle = cache.acquire("xgr", None)
+    with pytest.raises(FailedPrecondition, match="compiled by xgrammar, not llguidance"):
+        cache.acquire("xgr", None, backend="llguidance")
+    assert cache.stats()["pinned"] == 1
+    cache.release(handle)
+    llg = backend_for(vocab, "llguidance")
+    with pytest.raises(ValueError, match="llguidance cannot make a matcher from CompiledGrammar"):
+        llg.new_matcher(handle.compiled)
+    with pytest.raises(InvalidArgument, match="unknown backend"):
+        cache.acquire("xgr", None, backend="outlines")

@@ -30,7 +30,7 @@ import torch
 from gpu_worker.control.lockstep import ControlChannel, diverged_rows
 from gpu_worker.control.slots import Entry, SlotTable
 from gpu_worker.guided.masks import MaskFiller
-from gpu_worker.runtime.model import ForwardBatch
+from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 from gpu_worker.sampling.sampler import SamplingBatch, sample
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class Run:
     started_at: float = field(default_factory=time.monotonic)
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
+    pending: int = 0  # 1 while a sampled token is still on the device (not in `generated`)
     emitted: int = 0
     first_token_at: float | None = None
     mask_fill: Future | None = None  # the fill of this slot's bitmask row, once submitted
@@ -115,9 +116,14 @@ class Run:
         return self.entry.slot
 
     @property
+    def known(self) -> int:
+        """Tokens sampled so far, the one still on the device included."""
+        return len(self.generated) + self.pending
+
+    @property
     def kv_len(self) -> int:
         """Tokens in the slot's KV cache (the newest sampled token is not in it yet)."""
-        return self.prefilled + max(0, len(self.generated) - 1)
+        return self.prefilled + max(0, self.known - 1)
 
 
 @dataclass
@@ -128,6 +134,18 @@ class Seq:
     tokens: list[int]
     samples: bool
     prefill: bool
+
+
+@dataclass
+class _InFlight:
+    """A step whose tokens were sampled on the device and are on their way to the host."""
+
+    rows: list[Run]
+    tokens: torch.Tensor           # (R,) int64 on the device, dead rows as 0: the next inputs
+    host: torch.Tensor             # (R,) int64 on the host (pinned), dead rows as -1
+    done: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    step: int
+    row_of: dict[int, int]         # slot -> row in `tokens`
 
 
 @dataclass(frozen=True)
@@ -170,6 +188,7 @@ class Engine:
         self.runs: dict[int, Run] = {}
         self.step_index = 0
         self._outputs: dict[int, RowOutput] = {}  # id(request) -> this step's output
+        self._inflight: _InFlight | None = None  # the sampled step whose tokens are on the way
         self.masks = MaskFiller(cfg.num_slots, model_vocab_size, device,
                                 fill_threads=cfg.mask_fill_threads or "auto")
         # One bitmask row on the host for the "can the grammar only end here?" check.
@@ -209,6 +228,7 @@ class Engine:
             self.failed = exc
             log.error("engine stopped: %s", exc, exc_info=not isinstance(exc, RuntimeError))
             self.table.abort_step()
+            self._inflight = None
             self._fail_all(UNAVAILABLE, f"worker rank failed: {exc}")
             self._flush()
             if self.on_fatal is not None:
@@ -217,17 +237,25 @@ class Engine:
     # ---- one step: lockstep, plan, execute, commit, publish ---------------------------------
 
     def step(self) -> None:
-        """Run one lockstep step (blocks briefly when idle)."""
-        if not self.runs:
+        """Run one lockstep step (blocks briefly when idle).
+
+        Overlapped: the forward of step k is launched before the tokens of step k-1 reach the
+        host (a decode row reads its newest token on the device), so the host's work on step
+        k-1 (accept, finish, publish, the masks of step k) runs while the GPU computes.
+        """
+        if not self.runs and self._inflight is None:
             self.table.wait_for_change(self.cfg.idle_poll_s)
         self._lockstep()
-        if self.runs:
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                seqs = self._plan()
-                logits = self._execute(seqs)
-                t = {"forward": time.perf_counter() - t0}
-                self._commit(seqs, logits, t)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            seqs = self._plan() if self.runs else []
+            logits = self._execute(seqs) if seqs else None
+            t = {"forward": time.perf_counter() - t0}
+            if self._inflight is not None:
+                inflight, self._inflight = self._inflight, None
+                self._commit(inflight, t)
+            if seqs:
+                self._inflight = self._sample(seqs, logits, t)
                 self._record(seqs, t, time.perf_counter() - t0)
         self._flush()
 
@@ -247,11 +275,14 @@ class Engine:
         self._update_gauges()
 
     def _plan(self) -> list[Seq]:
-        """The sequences of this step; the same result on every rank."""
-        decode = [r for r in self.runs.values() if r.prefilled == len(r.req.prompt)]
+        """The sequences of this step; the same result on every rank. A row whose token in
+        flight ends it by length is not scheduled again."""
+        decode = [r for r in self.runs.values() if r.prefilled == len(r.req.prompt)
+                  and not (r.pending and self._ends_by_length(r))]
         prefill = sorted((r for r in self.runs.values() if r.prefilled < len(r.req.prompt)),
                          key=lambda r: (r.start_step, r.slot))
-        seqs = [Seq(r, [r.generated[-1]], True, False) for r in sorted(decode, key=lambda r: r.slot)]
+        seqs = [Seq(r, [r.generated[-1] if not r.pending else 0], True, False)
+                for r in sorted(decode, key=lambda r: r.slot)]
         # A long prompt is chunked so decoding slots keep their pace; some prefill always runs.
         budget = max(self.cfg.step_tokens - len(seqs), 32 if prefill else 0)
         for r in prefill:
@@ -263,32 +294,46 @@ class Engine:
             budget -= n
         return seqs
 
+    def _ends_by_length(self, r: Run) -> bool:
+        return r.known >= r.req.max_tokens or r.kv_len + 1 >= self.cfg.max_model_len
+
     def _execute(self, seqs: list[Seq]) -> torch.Tensor:
         """The forward of the step: (S, V) fp32 logits, one row per sequence. Rows that sample
-        for the first time get their mask fill submitted first, so it runs meanwhile."""
+        for the first time get their mask fill submitted first, so it runs meanwhile. A row
+        whose newest token is still on the device gets it there (no host round trip)."""
         fresh = [s.run for s in seqs if s.samples and s.run.req.matcher is not None
-                 and s.run.mask_fill is None]
+                 and s.run.mask_fill is None and not s.run.pending]
         if fresh:
             self._submit_fill(fresh)
         slots, starts = [s.run.slot for s in seqs], [s.run.kv_len for s in seqs]
         tokens = [s.tokens for s in seqs]
+        feed = None
+        if self._inflight is not None:
+            rows = self._inflight.row_of
+            dst = [i for i, s in enumerate(seqs) if s.run.pending]  # decode rows: one token each
+            if dst:
+                feed = (self._inflight.tokens, dst, [rows[seqs[i].run.slot] for i in dst])
         if self.graphs is not None and self.graphs.fits(sum(map(len, tokens))):
-            logits = self.graphs.run(slots, starts, tokens)             # (S, V) fp32
+            logits = self.graphs.run(slots, starts, tokens, feed)      # (S, V) fp32
         else:
             batch = ForwardBatch.build(slots, starts, tokens, self.device,
                                        slot_attention=self.slot_attention)
+            if feed is not None:
+                feed_tokens(batch.input_ids, *feed)
             logits = self.model(batch)                                  # (S, V) fp32
         for s in seqs:
             if s.prefill:
                 s.run.prefilled += len(s.tokens)
         return logits
 
-    def _commit(self, seqs: list[Seq], logits: torch.Tensor, t: dict[str, float]) -> None:
-        """Mask, sample, check divergence, accept into each rank's own matcher, finish."""
-        sampling = [i for i, s in enumerate(seqs) if s.samples]
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor, t: dict[str, float]) -> _InFlight | None:
+        """Mask and sample the step's sampling rows on the device; start the copy of their
+        tokens to the host. Rows that ended while the forward ran are left out."""
+        sampling = [i for i, s in enumerate(seqs)
+                    if s.samples and self.runs.get(s.run.slot) is s.run]
         rows = [seqs[i].run for i in sampling]
         if not rows:
-            return
+            return None
         guided = [j for j, r in enumerate(rows) if r.req.matcher is not None]
         if len(rows) < logits.shape[0]:
             logits = logits[torch.tensor(sampling, device=logits.device)]
@@ -309,24 +354,45 @@ class Engine:
         t_sample = time.perf_counter()
         t["mask_apply"] = t_sample - t_mask
         tokens, dead = sample(logits, self._sampling_batch(rows))
-        # One device-to-host copy per step: a dead row reads as -1.
-        picked = torch.where(dead, -1, tokens).tolist()
+        picked = torch.where(dead, -1, tokens)                          # (R,) a dead row is -1
+        # One device-to-host copy per step, started now and waited for at the commit.
+        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=picked.is_cuda)
+        host.copy_(picked, non_blocking=True)
+        done = torch.cuda.Event() if picked.is_cuda else None
+        if done is not None:
+            done.record()
+        for r in rows:
+            r.pending = 1
+        t["sample"] = time.perf_counter() - t_sample
+        return _InFlight(rows, picked.clamp(min=0), host, done, self.step_index,
+                         {r.slot: j for j, r in enumerate(rows)})
+
+    def _commit(self, inflight: _InFlight, t: dict[str, float]) -> None:
+        """The host side of a sampled step: check divergence, accept each token into the
+        rank's own matcher, finish rows, start the masks of the rows that go on."""
+        t0 = time.perf_counter()
+        if inflight.done is not None:
+            inflight.done.synchronize()
+        picked = inflight.host.tolist()
+        rows = inflight.rows
+        for r in rows:
+            r.pending = 0
         diverged: set[int] = set()
         every = self.cfg.divergence_check_every
-        if every and self.control.size > 1 and self.step_index % every == 0:
+        if every and self.control.size > 1 and inflight.step % every == 0:
             # A dead row is sent as -1, so a dead row on one rank never matches a real
             # token 0 on another.
             diverged = set(diverged_rows(picked, self.control))
             if diverged and self.metrics is not None:
                 self.metrics.tp_divergence.inc()
-        t["sample"] = time.perf_counter() - t_sample
         for j, r in enumerate(rows):
-            self._advance(r, picked[j], j in diverged)
-        # Start the next step's fills now, while this step's results are published and the
-        # next step is planned and launched.
-        ahead = [rows[j] for j in guided if self.runs.get(rows[j].slot) is rows[j]]
+            if self.runs.get(r.slot) is r:  # not released while its token was in flight
+                self._advance(r, picked[j], j in diverged)
+        # Start the next step's fills now, while its forward runs.
+        ahead = [r for r in rows if r.req.matcher is not None and self.runs.get(r.slot) is r]
         if ahead:
             self._submit_fill(ahead)
+        t["commit"] = time.perf_counter() - t0
 
     def _submit_fill(self, runs: list[Run]) -> None:
         """Fill the bitmask rows (by slot) of `runs` from their matchers on the fill thread.
@@ -364,7 +430,7 @@ class Engine:
             return self._finish(r, GRAMMAR_COMPLETED)
         if ends:  # a guided row only samples a stop id where its grammar allows one
             return self._finish(r, STOP)
-        if len(r.generated) >= req.max_tokens or r.kv_len + 1 >= self.cfg.max_model_len:
+        if self._ends_by_length(r):
             return self._finish(r, LENGTH)
 
     def _can_only_end(self, req: Request) -> bool:
@@ -422,14 +488,14 @@ class Engine:
         reqs = [r.req for r in rows]
         return SamplingBatch.from_lists(
             [q.temperature for q in reqs], [q.top_k for q in reqs], [q.top_p for q in reqs],
-            [q.min_p for q in reqs], [q.seed for q in reqs], [len(r.generated) for r in rows],
+            [q.min_p for q in reqs], [q.seed for q in reqs], [r.known for r in rows],
             device=self.device)
 
     def _suppress_early_stop(self, logits: torch.Tensor, rows: list[Run]) -> None:
         """EOS and stop ids are not sampled before min_tokens, unless the grammar allows
         nothing else (then suppressing them would make a dead end of a complete output)."""
         for j, r in enumerate(rows):
-            if len(r.generated) >= r.req.min_tokens:
+            if r.known >= r.req.min_tokens:
                 continue
             ids = sorted(i for i in (self.eos | r.req.stop_token_ids) if i < logits.shape[1])
             if not ids:

@@ -7,7 +7,6 @@ and its server; `main(argv)` is `gramserve worker`.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import signal
@@ -43,11 +42,11 @@ from protos.rpc import (
     set_serving,
     start_metrics_server,
 )
+from protos.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-DEFAULT_MAX_TOKENS = 256
 _FINISH = {
     eng.STOP: common_pb2.FINISH_REASON_STOP,
     eng.LENGTH: common_pb2.FINISH_REASON_LENGTH,
@@ -74,28 +73,11 @@ def request_from_proto(msg: worker_pb2.AdmitRequest, vocab: Vocab, max_model_len
     if bad is not None:
         raise InvalidArgument(f"token id {bad} is outside the vocabulary ({vocab.vocab_size})",
                               field="prompt_token_ids")
-    s = msg.sampling
-    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    temperature = s.temperature if s.HasField("temperature") else 1.0
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    for ok, name, why in [
-        (max_tokens >= 1, "max_tokens", "must be >= 1"),
-        (math.isfinite(temperature) and temperature >= 0, "temperature", "must be finite and >= 0"),
-        (math.isfinite(top_p) and 0 < top_p <= 1, "top_p", "must be in (0, 1]"),
-        (s.top_k >= 0, "top_k", "must be >= 0"),
-        (math.isfinite(s.min_p) and 0 <= s.min_p <= 1, "min_p", "must be in [0, 1]"),
-        (s.min_tokens >= 0, "min_tokens", "must be >= 0"),
-        (all(t < vocab.model_vocab_size for t in s.stop_token_ids), "stop_token_ids",
-         f"ids must be < {vocab.model_vocab_size}"),
-    ]:
-        if not ok:
-            raise InvalidArgument(why, field=f"sampling.{name}")
+    s = Sampling.from_proto(msg.sampling, vocab_size=vocab.model_vocab_size)
     return eng.Request(
-        request_id=msg.request_id, prompt=prompt, max_tokens=max_tokens,
-        temperature=temperature, top_k=s.top_k, top_p=top_p, min_p=s.min_p,
-        # The full uint64 seed, as the int64 of the same bits (the noise hash reads all 64).
-        seed=(s.seed - (1 << 64) if s.seed >= 1 << 63 else s.seed) if s.HasField("seed") else 0,
-        stop_token_ids=frozenset(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        request_id=msg.request_id, prompt=prompt, max_tokens=s.max_tokens,
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+        seed=s.seed_int64, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens)
 
 
@@ -309,7 +291,8 @@ class Rank:
         req.tag = msg.tag
         if msg.grammar_key:
             handle = self.grammars.acquire(msg.grammar_key,
-                                           msg.grammar if msg.HasField("grammar") else None)
+                                           msg.grammar if msg.HasField("grammar") else None,
+                                           backend=msg.grammar_backend or None)
             req.grammar, req.release_grammar = handle, self.grammars.release
         try:
             if req.grammar is not None:

@@ -2,8 +2,13 @@
 
 A rank builds its matchers from its own copy of the compiled grammar (I1): the compiled
 grammar is immutable and shared between the slots that use it, while every slot gets a new
-`GrammarMatcher` from `GrammarHandle.new_matcher()`. An entry in use is pinned and never
-evicted from under a slot; only unpinned entries are evicted, least recently used first.
+matcher from `GrammarHandle.new_matcher()`. An entry in use is pinned and never evicted from
+under a slot; only unpinned entries are evicted, least recently used first.
+
+Each grammar belongs to one backend (xgrammar or llguidance, grammar_service.backends), named
+by the service with the payload; the handle makes matchers of that backend only, and a
+payload that does not read as its named backend's, or a backend other than the one the
+caller expects, is refused (FailedPrecondition).
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
-import xgrammar as xgr
 
+from grammar_service.backends import BACKENDS, XGRAMMAR, BackendError, backend_for
 from grammar_service.vocab import Vocab
 from protos import common_pb2, grammar_pb2, grammar_pb2_grpc
 from protos.rpc import (
@@ -40,22 +45,30 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[ServiceError]] = {
 
 
 class GrammarHandle:
-    """A pinned compiled grammar. Give it back with `WorkerGrammarCache.release` exactly once."""
+    """A pinned compiled grammar. Give it back with `WorkerGrammarCache.release` exactly once.
 
-    __slots__ = ("key", "compiled", "nbytes")
+    `backend` is the backend object that read it; `backend_name` its name."""
 
-    def __init__(self, key: str, compiled: xgr.CompiledGrammar, nbytes: int):
+    __slots__ = ("key", "backend", "compiled", "nbytes")
+
+    def __init__(self, key: str, backend, compiled, nbytes: int):
         self.key = key
+        self.backend = backend
         self.compiled = compiled
         self.nbytes = nbytes  # size of the serialized form, what the cache's capacity counts
 
-    def new_matcher(self, **options) -> xgr.GrammarMatcher:
-        """A new matcher at the grammar's start on every call, never shared (I1).
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
 
-        `options` go to xgrammar.GrammarMatcher (override_stop_tokens=None,
+    def new_matcher(self, **options):
+        """A new matcher of the grammar's backend at its start on every call, never shared (I1).
+
+        xgrammar: an xgrammar.GrammarMatcher; `options` go to it (override_stop_tokens=None,
         terminate_without_stop_token=False, max_rollback_tokens=-1 by default).
+        llguidance: a grammar_service.backends.LLGuidanceMatcher (no options).
         """
-        return xgr.GrammarMatcher(self.compiled, **options)
+        return self.backend.new_matcher(self.compiled, **options)
 
 
 @dataclass
@@ -102,24 +115,31 @@ class WorkerGrammarCache:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest use first
         self._flights: dict[str, _Flight] = {}
         self._bytes = 0
+        self._backends: dict[str, object] = {}
 
-    def acquire(self, key: str, spec: common_pb2.GrammarSpec | None) -> GrammarHandle:
+    def acquire(self, key: str, spec: common_pb2.GrammarSpec | None,
+                backend: str | None = None) -> GrammarHandle:
         """Pin the compiled grammar of `key` and return its handle.
 
         A local hit pins at once. A miss fetches from the grammar service (with `spec`, so the
         service can recompile an evicted key), checks the payload's size, sha256 and
-        vocabulary fingerprint, deserializes it against this rank's vocabulary and inserts
-        it; concurrent acquires of the same missing key share one fetch (the waiters count as
-        hits). Raises InvalidArgument (empty key), NotFound (unknown key, no spec),
-        FailedPrecondition (compiled for another vocabulary), Unavailable (service down or a
-        corrupt payload), DeadlineExceeded, or the service's own error. A failed acquire
-        pins nothing.
+        vocabulary fingerprint, deserializes it with the backend the service names, against
+        this rank's vocabulary, and inserts it; concurrent acquires of the same missing key
+        share one fetch (the waiters count as hits). `backend`, when given (the GrammarRef's),
+        must be the grammar's. Raises InvalidArgument (empty key), NotFound (unknown key, no
+        spec), FailedPrecondition (compiled for another vocabulary or another backend, or a
+        payload its backend does not read), Unavailable (service down or a corrupt payload),
+        DeadlineExceeded, or the service's own error. A failed acquire pins nothing.
         """
         if not key:
             raise InvalidArgument("must not be empty", field="grammar_key")
+        if backend is not None and backend not in BACKENDS:
+            raise InvalidArgument(f"unknown backend {backend!r}; one of {', '.join(BACKENDS)}",
+                                  field="backend")
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
+                _check_backend(key, entry.handle.backend_name, backend)
                 entry.pins += 1
                 self._entries.move_to_end(key)
                 self._count("grammar_cache_hits")
@@ -130,7 +150,13 @@ class WorkerGrammarCache:
                 flight = self._flights[key] = _Flight()
             else:
                 flight.waiters += 1
-        return self._lead(key, spec, flight) if leader else self._wait(flight)
+        handle = self._lead(key, spec, flight) if leader else self._wait(flight)
+        try:
+            _check_backend(key, handle.backend_name, backend)
+        except FailedPrecondition:
+            self.release(handle)
+            raise
+        return handle
 
     def _wait(self, flight: _Flight) -> GrammarHandle:
         flight.done.wait()
@@ -141,8 +167,10 @@ class WorkerGrammarCache:
 
     def _lead(self, key: str, spec: common_pb2.GrammarSpec | None, flight: _Flight) -> GrammarHandle:
         try:
-            payload = self._fetch(key, spec)
-            handle = GrammarHandle(key, self._deserialize(key, payload), len(payload))
+            name, payload = self._fetch(key, spec)
+            backend = self._backend(key, name)
+            handle = GrammarHandle(key, backend, self._deserialize(key, backend, payload),
+                                   len(payload))
         except ServiceError as exc:
             with self._lock:
                 del self._flights[key]
@@ -204,8 +232,20 @@ class WorkerGrammarCache:
         if self._metrics is not None:
             getattr(self._metrics, name).inc()
 
-    def _fetch(self, key: str, spec: common_pb2.GrammarSpec | None) -> bytes:
-        """The checked serialized grammar of `key` from the grammar service."""
+    def _backend(self, key: str, name: str):
+        """This rank's backend object called `name`, built on first use."""
+        if name not in BACKENDS:
+            raise FailedPrecondition(f"grammar {key!r} is for backend {name!r}, which this "
+                                     f"worker does not have ({', '.join(BACKENDS)})",
+                                     field="grammar_key")
+        with self._lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                backend = self._backends[name] = backend_for(self._vocab, name)
+            return backend
+
+    def _fetch(self, key: str, spec: common_pb2.GrammarSpec | None) -> tuple[str, bytes]:
+        """(backend name, checked serialized grammar) of `key` from the grammar service."""
         if self._stub is None:
             raise Unavailable(f"grammar {key!r} is not cached on this rank and no grammar "
                               "service address is configured")
@@ -223,12 +263,14 @@ class WorkerGrammarCache:
         finally:
             call.cancel()  # no-op when the stream ended; stops it when we refuse a chunk
 
-    def _read_chunks(self, key: str, call) -> bytes:
+    def _read_chunks(self, key: str, call) -> tuple[str, bytes]:
         buf = bytearray()
         total = sha = None
+        backend = XGRAMMAR
         for chunk in call:
             if total is None:
                 total, sha = chunk.total_bytes, chunk.sha256
+                backend = chunk.backend or XGRAMMAR  # a service older than the field
                 if chunk.vocab_fingerprint != self._vocab.fingerprint:
                     raise FailedPrecondition(
                         f"grammar {key!r} was compiled for vocabulary "
@@ -243,13 +285,19 @@ class WorkerGrammarCache:
                               f"grammar {key!r}")
         if hashlib.sha256(buf).hexdigest() != sha:
             raise Unavailable(f"grammar service sent a corrupt grammar {key!r} (sha256 mismatch)")
-        return bytes(buf)
+        return backend, bytes(buf)
 
-    def _deserialize(self, key: str, payload: bytes) -> xgr.CompiledGrammar:
+    def _deserialize(self, key: str, backend, payload: bytes):
         try:
-            return xgr.CompiledGrammar.deserialize_json(payload.decode(),
-                                                        self._vocab.tokenizer_info())
-        except Exception as exc:  # xgrammar raises its own error types and RuntimeError
+            return backend.deserialize(payload)
+        except BackendError as exc:
             raise FailedPrecondition(
-                f"grammar {key!r} does not deserialize against this model's vocabulary: "
-                f"{type(exc).__name__}: {exc}", field="grammar_key") from None
+                f"grammar {key!r} does not deserialize as a {backend.name} grammar against "
+                f"this model's vocabulary: {exc}", field="grammar_key") from None
+
+
+def _check_backend(key: str, actual: str, expected: str | None) -> None:
+    """Refuse to hand a grammar to a caller that expects the other backend's matcher."""
+    if expected is not None and actual != expected:
+        raise FailedPrecondition(f"grammar {key!r} was compiled by {actual}, not {expected}",
+                                 field="backend")

@@ -5,6 +5,10 @@ The host buffer has one row per slot. I4 is kept by construction: the engine wai
 `apply`, for the fill of every guided row's matcher in its current state; `apply` gathers
 those slots' rows into the positions of their logits rows and the kernel touches no other
 row. Unguided rows never meet a mask.
+
+Matchers come from either backend (grammar_service.backends); both write the same packed
+layout. xgrammar matchers of a large batch go through xgrammar's batch matcher; any other
+matcher fills its own row.
 """
 
 from __future__ import annotations
@@ -44,10 +48,14 @@ class MaskFiller:
     def fill(self, matchers: list, slots: list[int]) -> float:
         """Write slot row slots[i] from matchers[i]; return the seconds it took."""
         t0 = time.perf_counter()
-        if len(matchers) >= _BATCH_FILL_MIN_ROWS:
-            self._batch.batch_fill_next_token_bitmask(matchers, self.host, slots)
-        else:
-            for matcher, slot in zip(matchers, slots, strict=True):
+        xgr_rows = [(m, s) for m, s in zip(matchers, slots, strict=True)
+                    if isinstance(m, xgr.GrammarMatcher)]
+        batched = len(xgr_rows) >= _BATCH_FILL_MIN_ROWS
+        if batched:
+            self._batch.batch_fill_next_token_bitmask([m for m, _ in xgr_rows], self.host,
+                                                      [s for _, s in xgr_rows])
+        for matcher, slot in zip(matchers, slots, strict=True):
+            if not (batched and isinstance(matcher, xgr.GrammarMatcher)):
                 matcher.fill_next_token_bitmask(self.host, slot)
         return time.perf_counter() - t0
 

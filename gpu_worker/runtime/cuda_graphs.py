@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpu_worker.runtime.model import ForwardBatch
+from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 
 # Token-count buckets: fine steps where decode batches live, coarser above (padding ≤ 25 %).
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256,
@@ -28,6 +28,7 @@ class _Graph:
         self.graph, self.inputs, self.out = graph, inputs, out
         # Pinned staging for the step's inputs: one non-blocking copy, no allocation per step.
         self.staging = torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
+        self.copied = torch.cuda.Event()  # the staging -> inputs copy of the last replay
 
 
 class StepGraphs:
@@ -56,7 +57,10 @@ class StepGraphs:
             if size not in self.graphs:
                 self._capture(size)
 
-    def run(self, slots: list[int], starts: list[int], new_tokens: list[list[int]]) -> Tensor:
+    def run(self, slots: list[int], starts: list[int], new_tokens: list[list[int]],
+            feed: tuple[Tensor, list[int], list[int]] | None = None) -> Tensor:
+        """Replay the step. `feed` = (device tokens, dst, src): token dst[i] of the step is
+        device_tokens[src[i]] (see feed_tokens), copied on the device after the inputs."""
         n = sum(len(t) for t in new_tokens)
         size = next(s for s in self.sizes if s >= n)
         g = self.graphs.get(size) or self._capture(size)
@@ -68,11 +72,16 @@ class StepGraphs:
             last.append(len(ids) - 1)
         pad = size - n
         context = [p + 1 for p in positions] + [1] * pad
-        # The previous step ended with a device sync, so the staging buffer is free.
+        # The previous replay's inputs were consumed before this copy is queued behind it on the
+        # same stream; the host may only rewrite staging once that copy ran: wait for it.
+        g.copied.synchronize()
         g.staging.copy_(torch.tensor([ids + [0] * pad, positions + [0] * pad,
                                       token_slots + [self.scratch_slot] * pad, context,
                                       last + [0] * (size - len(last))], dtype=torch.int64))
         g.inputs.copy_(g.staging, non_blocking=True)
+        g.copied.record()
+        if feed is not None:
+            feed_tokens(g.inputs[0], *feed)
         g.graph.replay()
         return g.out[:len(slots)]
 

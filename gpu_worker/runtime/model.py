@@ -122,6 +122,16 @@ class ForwardBatch:
             token_context=tensor([p + 1 for p in positions]) if slot_attention else None)
 
 
+def feed_tokens(input_ids: torch.Tensor, source: torch.Tensor, dst: list[int],
+                src: list[int]) -> None:
+    """input_ids[dst[i]] = source[src[i]] on the device (a decode row's newest token, sampled
+    by the previous step and not yet on the host)."""
+    index = torch.tensor([dst, src], dtype=torch.int64)
+    if input_ids.is_cuda:
+        index = index.pin_memory().to(input_ids.device, non_blocking=True)
+    input_ids.index_copy_(0, index[0], source.index_select(0, index[1]))
+
+
 def rope_inv_freq(config: ModelConfig) -> tuple[Tensor, float]:
     """(inv_freq (head_dim/2,) float32, attention factor) for the config's RoPE type, with
     the formulas transformers uses. `dynamic` equals plain RoPE up to

@@ -1,0 +1,414 @@
+"""The grammar backends, xgrammar and llguidance, behind one interface.
+
+A backend turns a canonical spec into a compiled grammar, writes it to bytes for the cache
+and the ranks, reads those bytes back against the rank's vocabulary, and makes matchers.
+Every matcher has the methods the engine and `gpu_worker.guided.masks` call:
+
+    fill_next_token_bitmask(bitmask, index=0)  write row `index` of an int32 (rows, words)
+                                               bitmask; bit i of word i // 32 allows token i
+    accept_token(token_id) -> bool             advance; False (state unchanged) if refused
+    is_terminated() -> bool                    a stop token was accepted
+    is_completed() -> bool                     the text so far is complete: a stop token
+                                               may come next (xgrammar's name)
+    rollback(n), reset()
+
+xgrammar's own `GrammarMatcher` already has them (and stays unwrapped, so
+`xgrammar.BatchGrammarMatcher` can fill many rows at once); `LLGuidanceMatcher` gives
+llguidance's `LLMatcher` the same shape. Both write the same packed layout, so the mask
+kernel does not know which backend filled a row.
+
+Serialised forms. xgrammar: `CompiledGrammar.serialize_json()`, deserialised against the
+rank's TokenizerInfo. llguidance compiles in about a millisecond (lexer and parser are built
+lazily, per matcher state), so its serialised form is its normalised grammar (the JSON
+grammar `LLMatcher.grammar_from_*` returns, which embeds the schema, regex or Lark text and
+the options) in a small JSON envelope; each rank builds the matcher itself, once per
+grammar, and every slot gets a `deep_copy` of it (about 1 µs). Measured (default model, 4k
+vocabulary, one thread, medians; service: compile + serialise; rank: deserialise + matcher +
+first mask):
+
+    schema             xgrammar service / rank / bytes     llguidance service / rank / bytes
+    2 properties       3.0 ms / 1.3 ms / 66 kB             0.30 ms / 0.56 ms / 0.4 kB
+    20 properties      309 ms / 124 ms / 5.9 MB            0.74 ms / 1.06 ms / 1.5 kB
+
+So for llguidance, building on the rank from the small text is cheaper than fetching any
+compiled form could be. Building both backends for a vocabulary: ~15 ms at 4k tokens.
+
+A compiled object only pairs with the backend that made it: `new_matcher` refuses another
+backend's object, and a payload names its format so one backend never reads the other's.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import xgrammar as xgr
+
+from grammar_service.schema_fixes import fix_schema, forbid_unlisted_properties
+
+XGRAMMAR = "xgrammar"
+LLGUIDANCE = "llguidance"
+BACKENDS = (XGRAMMAR, LLGUIDANCE)
+
+VERSIONS = {XGRAMMAR: importlib.metadata.version("xgrammar"),
+            LLGUIDANCE: importlib.metadata.version("llguidance")}
+
+_LLG_FORMAT = "gramserve-llguidance/1"
+# xgrammar's max_whitespace_cnt as an llguidance whitespace lexeme (JSON's four characters).
+_JSON_WS = r"[\x20\x0A\x0D\x09]"
+
+
+class BackendError(ValueError):
+    """The backend refuses the spec (syntax, an unsupported feature), or a pairing is wrong.
+
+    `backend` names the backend ("" when not known)."""
+
+    def __init__(self, message: str, backend: str = ""):
+        super().__init__(message)
+        self.backend = backend
+
+
+class Matcher(Protocol):
+    """What the engine and the mask filler call on a matcher (see the module docstring)."""
+
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+
+    def fill_next_token_bitmask(self, bitmask, index: int = 0) -> bool: ...
+    def accept_token(self, token_id: int) -> bool: ...
+    def is_terminated(self) -> bool: ...
+    def is_completed(self) -> bool: ...
+    def rollback(self, num_tokens: int = 1) -> None: ...
+    def reset(self) -> None: ...
+
+
+class Backend(Protocol):
+    """compile (grammar service) -> serialize -> bytes -> deserialize (rank) -> new_matcher."""
+
+    name: str
+    version: str
+
+    def compile(self, spec) -> object: ...
+    def serialize(self, compiled) -> bytes: ...
+    def deserialize(self, payload: bytes) -> object: ...
+    def new_matcher(self, compiled, **options) -> Matcher: ...
+
+
+# ---------------------------------------------------------------------------- xgrammar
+
+
+class XGrammarBackend:
+    """xgrammar over one TokenizerInfo. `threads`: compile threads. The compiler is built on
+    the first compile (ranks only deserialize), or now with `eager`."""
+
+    name = XGRAMMAR
+    version = VERSIONS[XGRAMMAR]
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, threads: int = 1, eager: bool = False):
+        self.tokenizer_info = tokenizer_info
+        self._threads = threads
+        self._compiler = None
+        if eager:
+            self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=threads,
+                                                 cache_enabled=False)
+
+    def compile(self, spec) -> xgr.CompiledGrammar:
+        """Compile a CanonicalSpec (every kind but lark). Raises what xgrammar raises
+        (RuntimeError and its own types) when it refuses the spec; BackendError for lark."""
+        if self._compiler is None:
+            self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=self._threads,
+                                                 cache_enabled=False)
+        return _xgr_compile(self._compiler, spec)
+
+    def serialize(self, compiled: xgr.CompiledGrammar) -> bytes:
+        return compiled.serialize_json().encode()
+
+    def deserialize(self, payload: bytes) -> xgr.CompiledGrammar:
+        """Raises BackendError when `payload` is not xgrammar's for this vocabulary."""
+        if payload.startswith(b'{"format":"' + _LLG_FORMAT.encode()):
+            raise BackendError("the payload is an llguidance grammar, not xgrammar's", XGRAMMAR)
+        try:
+            return xgr.CompiledGrammar.deserialize_json(payload.decode(), self.tokenizer_info)
+        except Exception as exc:  # xgrammar raises its own error types and RuntimeError
+            raise BackendError(f"{type(exc).__name__}: {exc}", XGRAMMAR) from None
+
+    def new_matcher(self, compiled, **options) -> xgr.GrammarMatcher:
+        """A fresh `xgrammar.GrammarMatcher`; `options` go to it (override_stop_tokens=None,
+        terminate_without_stop_token=False, max_rollback_tokens=-1)."""
+        if not isinstance(compiled, xgr.CompiledGrammar):
+            raise BackendError(f"xgrammar cannot make a matcher from {type(compiled).__name__}",
+                               XGRAMMAR)
+        return xgr.GrammarMatcher(compiled, **options)
+
+
+def _xgr_compile(compiler: xgr.GrammarCompiler, spec) -> xgr.CompiledGrammar:
+    opts = spec.options
+    if spec.kind in ("json_schema", "json_object"):
+        schema = (json.dumps(fix_schema(json.loads(spec.text)))
+                  if spec.kind == "json_schema" else '{"type":"object"}')
+        compact = opts.whitespace == "compact"
+        return compiler.compile_json_schema(
+            schema,
+            any_whitespace=not compact,
+            separators=(",", ":") if compact else None,
+            max_whitespace_cnt=opts.max_whitespace if opts.whitespace == "bounded" else None,
+            strict_mode=not opts.allow_unlisted_properties,
+        )
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.text)
+    if spec.kind == "ebnf":
+        return compiler.compile_grammar(spec.text)
+    if spec.kind == "choice":
+        # JSON string literals are valid xgrammar EBNF string literals (same escapes).
+        choices = json.loads(spec.text)
+        return compiler.compile_grammar(
+            "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+    if spec.kind == "structural_tag":
+        return compiler.compile_structural_tag(spec.text)
+    raise BackendError(f"xgrammar does not compile {spec.kind}", XGRAMMAR)
+
+
+# ---------------------------------------------------------------------------- llguidance
+
+
+@dataclass(frozen=True)
+class LLGuidanceGrammar:
+    """An llguidance grammar ready on this vocabulary: its text and a matcher at the start,
+    which `new_matcher` copies (the template itself is never advanced)."""
+
+    grammar: str
+    template: object  # llguidance.LLMatcher
+
+
+class LLGuidanceBackend:
+    """llguidance over one `llguidance.LLTokenizer` (see `llguidance_tokenizer`)."""
+
+    name = LLGUIDANCE
+    version = VERSIONS[LLGUIDANCE]
+
+    def __init__(self, tokenizer, eos_token_ids: Iterable[int]):
+        self.tokenizer = tokenizer
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+
+    def compile(self, spec) -> LLGuidanceGrammar:
+        """Build the grammar of a CanonicalSpec and check it against the vocabulary.
+
+        Raises BackendError with llguidance's message when it refuses the spec, which it does
+        for what it cannot enforce exactly (e.g. `not`, overlapping `oneOf` branches,
+        `uniqueItems`, unknown `format`s) as well as for syntax errors.
+        """
+        return self._ready(_llg_grammar(spec))
+
+    def serialize(self, compiled: LLGuidanceGrammar) -> bytes:
+        return json.dumps({"format": _LLG_FORMAT, "grammar": compiled.grammar},
+                          separators=(",", ":"), ensure_ascii=False).encode()
+
+    def deserialize(self, payload: bytes) -> LLGuidanceGrammar:
+        """Raises BackendError when `payload` is not an llguidance grammar in our envelope, or
+        llguidance refuses it on this vocabulary."""
+        try:
+            data = json.loads(payload)
+        except (ValueError, UnicodeDecodeError):
+            data = None
+        if not isinstance(data, dict) or data.get("format") != _LLG_FORMAT:
+            raise BackendError(f"the payload is not an llguidance grammar ({_LLG_FORMAT})",
+                               LLGUIDANCE)
+        return self._ready(data["grammar"])
+
+    def new_matcher(self, compiled, **options) -> LLGuidanceMatcher:
+        """A fresh matcher at the grammar's start. `options`: none are supported (xgrammar's
+        matcher options have no llguidance counterpart here); passing one is TypeError."""
+        if options:
+            raise TypeError(f"llguidance matchers take no options, got {sorted(options)}")
+        if not isinstance(compiled, LLGuidanceGrammar):
+            raise BackendError(f"llguidance cannot make a matcher from {type(compiled).__name__}",
+                               LLGUIDANCE)
+        return LLGuidanceMatcher(compiled.template.deep_copy(), self.eos,
+                                 (self.tokenizer.vocab_size + 31) // 32)
+
+    def _ready(self, grammar: str) -> LLGuidanceGrammar:
+        import llguidance
+
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise BackendError(template.get_error(), LLGUIDANCE)
+        return LLGuidanceGrammar(grammar, template)
+
+
+def _llg_grammar(spec) -> str:
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    opts = spec.options
+    if spec.kind in ("json_schema", "json_object"):
+        schema = json.loads(spec.text) if spec.kind == "json_schema" else {"type": "object"}
+        if spec.kind == "json_schema" and not opts.allow_unlisted_properties:
+            # The option means the same on both backends: xgrammar's strict_mode.
+            schema = forbid_unlisted_properties(schema)
+        if opts.whitespace == "compact":
+            ws = {"whitespace_flexible": False}
+        elif opts.whitespace == "bounded":
+            ws = {"whitespace_flexible": True,
+                  "whitespace_pattern": f"{_JSON_WS}{{0,{opts.max_whitespace}}}"}
+        else:
+            ws = {"whitespace_flexible": True}
+        try:
+            # Our options override any "x-guidance" the schema carries.
+            return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=ws)
+        except ValueError as exc:
+            raise BackendError(str(exc), LLGUIDANCE) from None
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.text)
+    if spec.kind == "choice":
+        choices = json.loads(spec.text)
+        return LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+    if spec.kind == "lark":
+        return LLMatcher.grammar_from_lark(spec.text)
+    if spec.kind == "ebnf":
+        try:
+            return LLMatcher.grammar_from_lark(any_to_lark(spec.text))
+        except Exception as exc:  # the converter raises whatever its parser hits
+            raise BackendError(f"cannot convert the EBNF to Lark: {exc}", LLGUIDANCE) from None
+    raise BackendError(f"llguidance does not compile {spec.kind} here", LLGUIDANCE)
+
+
+class LLGuidanceMatcher:
+    """An llguidance `LLMatcher` with xgrammar's matcher interface (see the module docstring).
+
+    Differences it hides: a refused token puts an LLMatcher into a permanent error state, so
+    `accept_token` uses `try_consume_tokens`, which refuses without changing state; and
+    LLMatcher has no "terminated" state, so accepting a stop token is recorded here. Not
+    thread-safe; one per (rank, slot, request) (I1).
+    """
+
+    __slots__ = ("_m", "_eos", "_words", "_terminated")
+
+    def __init__(self, matcher, eos: frozenset[int], words: int):
+        self._m = matcher
+        self._eos = eos
+        self._words = words
+        self._terminated = False
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end the output (as xgrammar's matcher reports its own)."""
+        return sorted(self._eos)
+
+    def fill_next_token_bitmask(self, bitmask, index: int = 0) -> bool:
+        """Write every word of row `index` of `bitmask` (CPU int32, (rows, words), rows
+        contiguous, words == ceil(vocab / 32)). Returns True (xgrammar returns whether the row
+        needs applying; this one always does). Raises ValueError for a bitmask of another
+        shape or kind."""
+        if bitmask.dtype != _torch().int32 or bitmask.device.type != "cpu" \
+                or bitmask.dim() != 2 or bitmask.shape[1] != self._words:
+            raise ValueError(f"bitmask: expected a CPU int32 (rows, {self._words}) tensor, got "
+                             f"{bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+        row = bitmask[index]
+        if not row.is_contiguous():
+            raise ValueError("bitmask: rows must be contiguous")
+        # Drops the GIL while llguidance writes all `words` int32 words of the row.
+        self._m.unsafe_compute_mask_ptr(row.data_ptr(), self._words * 4)
+        return True
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by `token_id`; False, with the state unchanged, when the grammar refuses it
+        (or a stop token was already accepted)."""
+        token_id = int(token_id)
+        if self._terminated:
+            return False
+        if token_id in self._eos:
+            # A stopped LLMatcher (nothing but EOS can follow) refuses EOS in
+            # try_consume_tokens while its mask allows it; consume_token takes it.
+            if self._m.is_error() or not self._m.is_accepting() \
+                    or not self._m.consume_token(token_id):
+                return False
+            self._terminated = True
+            return True
+        return self._m.try_consume_tokens([token_id]) == 1
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted (as xgrammar's default matcher)."""
+        return self._terminated
+
+    def is_completed(self) -> bool:
+        """The text so far is a complete instance: a stop token may come next."""
+        return self._m.is_accepting()
+
+    def error(self) -> str:
+        """llguidance's error message ('' when none): a parser limit hit mid-generation
+        leaves the matcher allowing nothing, which the engine reports as a dead end (I6)."""
+        return self._m.get_error()
+
+    def rollback(self, num_tokens: int = 1) -> None:
+        """Undo the last `num_tokens` accepted tokens (a stop token counts as one)."""
+        if num_tokens <= 0:
+            return
+        if not self._m.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._m.get_error()}")
+        self._terminated = False
+
+    def reset(self) -> None:
+        """Back to the grammar's start."""
+        self._m.reset()
+        self._terminated = False
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def llguidance_tokenizer(tokenizer_json: str, n_vocab: int, eos_token_ids: Iterable[int]):
+    """An `llguidance.LLTokenizer` over a `tokenizers` JSON (Tokenizer.to_str()).
+
+    `n_vocab` is the model's (padded) vocabulary, as xgrammar's TokenizerInfo uses: ids past
+    the tokenizer's are padding that no grammar allows, and mask rows have ceil(n_vocab / 32)
+    words on both backends.
+    """
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab,
+                                  eos_token=[int(t) for t in eos_token_ids])
+
+
+# ---------------------------------------------------------------------------- both
+
+
+def backend_for(vocab, name: str) -> Backend:
+    """A new backend `name` over a grammar_service.vocab.Vocab (its tokenizer views are
+    cached on the Vocab). Raises KeyError for an unknown name."""
+    if name == XGRAMMAR:
+        return XGrammarBackend(vocab.tokenizer_info())
+    if name == LLGUIDANCE:
+        return LLGuidanceBackend(vocab.llguidance_tokenizer(), vocab.eos_token_ids)
+    raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class VocabView:
+    """What a process needs to build both backends for one vocabulary; picklable, so the
+    compile pool can send it to its children."""
+
+    tokenizer_info_json: str
+    tokenizer_json: str
+    model_vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, vocab) -> VocabView:
+        """The view of a grammar_service.vocab.Vocab."""
+        return cls(vocab.tokenizer_info().serialize_json(), vocab.tokenizer.to_str(),
+                   vocab.model_vocab_size, tuple(vocab.eos_token_ids))
+
+    def backends(self, threads: int = 1) -> dict[str, Backend]:
+        """Both backends, ready to compile ({name: backend})."""
+        info = xgr.TokenizerInfo.deserialize_json(self.tokenizer_info_json)
+        tok = llguidance_tokenizer(self.tokenizer_json, self.model_vocab_size,
+                                   self.eos_token_ids)
+        return {XGRAMMAR: XGrammarBackend(info, threads, eager=True),
+                LLGUIDANCE: LLGuidanceBackend(tok, self.eos_token_ids)}

@@ -1,0 +1,292 @@
+"""Both grammar backends on the default model's vocabulary: compile -> serialise -> deserialise
+-> matcher, token by token; the auto choice and its reason; forcing; cache keys; pairing.
+
+Real xgrammar and real llguidance, in this process (the compile pool runs the same code in
+its children; tests/test_grammar_service.py covers the service around it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from grammar_service.backends import (
+    LLGUIDANCE,
+    VERSIONS,
+    XGRAMMAR,
+    BackendError,
+    VocabView,
+    backend_for,
+)
+from grammar_service.choice import StrictRefused, compile_spec
+from grammar_service.default_model import ensure_default_model
+from grammar_service.specs import cache_key, parse_spec
+from grammar_service.vocab import load_vocab
+from protos import common_pb2
+from protos.rpc import InvalidArgument
+
+Opts = common_pb2.GrammarOptions
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return load_vocab(ensure_default_model())
+
+
+@pytest.fixture(scope="module")
+def backends(vocab):
+    return VocabView.of(vocab).backends()
+
+
+@pytest.fixture(scope="module")
+def ranks(vocab):
+    """The rank's side: backends that only deserialize (as the worker builds them)."""
+    return {name: backend_for(vocab, name) for name in (XGRAMMAR, LLGUIDANCE)}
+
+
+def spec_of(options=None, **kind):
+    return parse_spec(common_pb2.GrammarSpec(**kind, options=options))
+
+
+def schema_spec(schema, **options):
+    return spec_of(Opts(**options), json_schema=json.dumps(schema))
+
+
+def accepts(matcher, vocab, text: str) -> bool:
+    """Feed `text` token by token as the model's tokenizer splits it, then EOS."""
+    matcher.reset()
+    for token in vocab.encode(text, add_special_tokens=False):
+        if not matcher.accept_token(token):
+            return False
+    return matcher.accept_token(vocab.eos_token_ids[0]) and matcher.is_terminated()
+
+
+def round_trip(backends, ranks, spec, name):
+    """Compile with backend `name` as the service does, then read it back as a rank does."""
+    payload = backends[name].serialize(backends[name].compile(spec))
+    rank = ranks[name]
+    return rank.new_matcher(rank.deserialize(payload))
+
+
+def valid(schema, instance) -> bool:
+    return jsonschema.Draft202012Validator(schema).is_valid(instance)
+
+
+# Schemas where xgrammar approximates, with an instance valid and one invalid per schema.
+ALL_OF = {"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]}
+PATTERN_LENGTH = {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}, "required": ["code"]}
+ONE_OF = {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}
+NOT = {"type": "integer", "not": {"const": 3}}
+
+ENFORCED_BY_LLGUIDANCE = {
+    "allOf": (ALL_OF, "4", "9"),
+    "maxLength_with_pattern": (PATTERN_LENGTH, '{"code": "abc"}', '{"code": "abcd"}'),
+}
+REFUSED_BY_LLGUIDANCE = {
+    "oneOf_overlapping": (ONE_OF, "1.5", "3"),
+    "not": (NOT, "4", "3"),
+}
+
+
+@pytest.mark.parametrize("case", list(ENFORCED_BY_LLGUIDANCE))
+def test_llguidance_refuses_the_invalid_instance_xgrammar_lets_through(
+        backends, ranks, vocab, case):
+    schema, good, bad = ENFORCED_BY_LLGUIDANCE[case]
+    assert valid(schema, json.loads(good)) and not valid(schema, json.loads(bad))
+    spec = schema_spec(schema)
+    xgr_matcher = round_trip(backends, ranks, spec, XGRAMMAR)
+    llg_matcher = round_trip(backends, ranks, spec, LLGUIDANCE)
+    assert accepts(xgr_matcher, vocab, good) and accepts(xgr_matcher, vocab, bad)
+    assert accepts(llg_matcher, vocab, good) and not accepts(llg_matcher, vocab, bad)
+
+
+@pytest.mark.parametrize("case", list(REFUSED_BY_LLGUIDANCE))
+def test_llguidance_refuses_a_schema_it_cannot_enforce_that_xgrammar_approximates(
+        backends, ranks, vocab, case):
+    schema, good, bad = REFUSED_BY_LLGUIDANCE[case]
+    assert valid(schema, json.loads(good)) and not valid(schema, json.loads(bad))
+    spec = schema_spec(schema)
+    with pytest.raises(BackendError) as err:
+        backends[LLGUIDANCE].compile(spec)
+    assert err.value.backend == LLGUIDANCE
+    xgr_matcher = round_trip(backends, ranks, spec, XGRAMMAR)
+    assert accepts(xgr_matcher, vocab, good) and accepts(xgr_matcher, vocab, bad)
+
+
+def test_llguidance_matcher_refusal_leaves_its_state_and_rollback_undoes_eos(
+        backends, ranks, vocab):
+    m = round_trip(backends, ranks, schema_spec({"type": "integer"}), LLGUIDANCE)
+    (digit,) = vocab.encode("7", add_special_tokens=False)
+    (quote,) = vocab.encode('"', add_special_tokens=False)
+    assert m.accept_token(digit)
+    assert not m.accept_token(quote)  # refused, and the matcher is still usable
+    assert m.is_completed() and not m.is_terminated()
+    assert m.accept_token(vocab.eos_token_ids[0]) and m.is_terminated()
+    assert not m.accept_token(digit)  # nothing after a stop token
+    m.rollback(1)
+    assert not m.is_terminated() and m.accept_token(digit)
+
+
+def test_llguidance_tokenizer_matches_the_vocabulary_xgrammar_uses(vocab):
+    tok = vocab.llguidance_tokenizer()
+    info = vocab.tokenizer_info()
+    assert tok.vocab_size == info.vocab_size == vocab.model_vocab_size
+    assert set(tok.eos_tokens) == set(vocab.eos_token_ids)
+    for token_id in range(vocab.vocab_size):
+        raw = vocab.token_bytes(token_id)
+        # llguidance marks special tokens with a leading 0xFF byte, so the token that is the
+        # byte 0xFF alone reads as special there; 0xFF never occurs in UTF-8 text, so no
+        # grammar over text allows it on either backend.
+        if token_id not in vocab.special_ids and raw != b"\xff":
+            assert tok.decode_bytes([token_id]) == raw, token_id
+
+
+@pytest.mark.parametrize("prefix", ["", "ab", "abc"])
+def test_llguidance_writes_every_word_of_its_row_in_xgrammars_layout(
+        backends, ranks, vocab, prefix):
+    # An exact grammar on both backends: the two masks must be the same bits (I4, one kernel).
+    spec = spec_of(regex="[a-c]{1,3}x")
+    words = (vocab.model_vocab_size + 31) // 32
+    rows = {}
+    for name in (XGRAMMAR, LLGUIDANCE):
+        m = round_trip(backends, ranks, spec, name)
+        for token in vocab.encode(prefix, add_special_tokens=False):
+            assert m.accept_token(token)
+        for stale in (0, -1, 0x5A5A5A5A):
+            mask = torch.full((3, words), stale, dtype=torch.int32)
+            m.fill_next_token_bitmask(mask, 1)
+            rows.setdefault(name, mask[1].clone())
+            assert torch.equal(mask[1], rows[name])  # no word kept a stale bit
+            assert (mask[0] == stale).all() and (mask[2] == stale).all()
+    assert torch.equal(rows[XGRAMMAR], rows[LLGUIDANCE])
+
+
+def test_llguidance_matcher_refuses_a_bitmask_of_another_width(backends, ranks, vocab):
+    m = round_trip(backends, ranks, spec_of(regex="a"), LLGUIDANCE)
+    with pytest.raises(ValueError, match="bitmask"):
+        m.fill_next_token_bitmask(torch.zeros((1, 3), dtype=torch.int32), 0)
+
+
+AUTO_CASES = {
+    "schema_llguidance_enforces": (dict(json_schema=json.dumps(ALL_OF)), LLGUIDANCE,
+                                   "llguidance enforces every keyword", ()),
+    "schema_llguidance_refuses": (dict(json_schema=json.dumps(NOT)), XGRAMMAR,
+                                  'Unimplemented keys: ["not"]; xgrammar compiles it '
+                                  "without enforcing not", ("not",)),
+    "json_object": (dict(json_object=common_pb2.JsonObject()), LLGUIDANCE,
+                    "llguidance builds and masks faster", ()),
+    "regex": (dict(regex="[0-9]+"), XGRAMMAR, "xgrammar compiles and masks faster", ()),
+    "choice": (dict(choice=common_pb2.ChoiceList(choices=["a", "b"])), XGRAMMAR,
+               "xgrammar compiles and masks faster", ()),
+    "ebnf": (dict(ebnf='root ::= "a"+'), XGRAMMAR, "xgrammar's dialect", ()),
+    "structural_tag": (dict(structural_tag=json.dumps({
+        "type": "structural_tag", "format": {"type": "const_string", "value": "<x>"}})),
+        XGRAMMAR, "xgrammar's format", ()),
+    "lark": (dict(lark='start: "a"+'), LLGUIDANCE, "llguidance's format", ()),
+}
+
+
+@pytest.mark.parametrize("case", list(AUTO_CASES))
+def test_auto_choice_and_its_reason(backends, ranks, vocab, case):
+    kind, backend, reason, unenforced = AUTO_CASES[case]
+    compiled = compile_spec(spec_of(**kind), backends)
+    assert compiled.backend == backend and compiled.reason.startswith("auto: ")
+    assert reason in compiled.reason and compiled.unenforced == unenforced
+    ranks[backend].new_matcher(ranks[backend].deserialize(compiled.payload))
+
+
+def test_forcing_a_backend_overrides_the_rule_and_reports_what_it_leaves_out(backends):
+    forced = compile_spec(schema_spec(ALL_OF, backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR),
+                          backends)
+    assert (forced.backend, forced.unenforced) == (XGRAMMAR, ("allOf",))
+    assert forced.reason == "forced: options.backend is xgrammar"
+    forced = compile_spec(spec_of(Opts(backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE),
+                                  regex="[0-9]+"), backends)
+    assert forced.backend == LLGUIDANCE
+    with pytest.raises(BackendError, match="not"):
+        compile_spec(schema_spec(NOT, backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE), backends)
+
+
+def test_strict_refuses_only_what_no_backend_enforces(backends):
+    assert compile_spec(schema_spec(ALL_OF, strict=True), backends).backend == LLGUIDANCE
+    with pytest.raises(StrictRefused, match="not"):
+        compile_spec(schema_spec(NOT, strict=True), backends)
+    with pytest.raises(StrictRefused, match="allOf"):
+        compile_spec(schema_spec(ALL_OF, strict=True,
+                                 backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR), backends)
+
+
+@pytest.mark.parametrize("kind,backend", [
+    (dict(lark='start: "a"'), common_pb2.GRAMMAR_BACKEND_XGRAMMAR),
+    (dict(structural_tag='{"type": "structural_tag"}'), common_pb2.GRAMMAR_BACKEND_LLGUIDANCE),
+])
+def test_a_forced_backend_that_cannot_compile_the_kind_is_invalid_argument(kind, backend):
+    with pytest.raises(InvalidArgument, match="spec.options.backend"):
+        spec_of(Opts(backend=backend), **kind)
+
+
+def test_cache_key_differs_by_backend_and_depends_only_on_versions_that_can_compile_it():
+    keys = {b: cache_key(schema_spec(ALL_OF, backend=b), "v", VERSIONS)
+            for b in (common_pb2.GRAMMAR_BACKEND_AUTO, common_pb2.GRAMMAR_BACKEND_XGRAMMAR,
+                      common_pb2.GRAMMAR_BACKEND_LLGUIDANCE)}
+    assert len(set(keys.values())) == 3
+    newer_llg = {**VERSIONS, LLGUIDANCE: "99.0"}
+    for backend, changes in [(common_pb2.GRAMMAR_BACKEND_AUTO, True),
+                             (common_pb2.GRAMMAR_BACKEND_XGRAMMAR, False),
+                             (common_pb2.GRAMMAR_BACKEND_LLGUIDANCE, True)]:
+        other = cache_key(schema_spec(ALL_OF, backend=backend), "v", newer_llg)
+        assert (other != keys[backend]) == changes
+
+
+def test_payloads_and_compiled_grammars_only_pair_with_their_backend(backends, ranks):
+    spec = spec_of(regex="[a-z]+")
+    compiled = {n: backends[n].compile(spec) for n in backends}
+    payloads = {n: backends[n].serialize(compiled[n]) for n in backends}
+    for name, other in ((XGRAMMAR, LLGUIDANCE), (LLGUIDANCE, XGRAMMAR)):
+        with pytest.raises(BackendError):
+            ranks[name].deserialize(payloads[other])
+        with pytest.raises(BackendError, match=f"{name} cannot make a matcher"):
+            ranks[name].new_matcher(compiled[other])
+
+
+def test_llguidance_bounds_long_strings_without_the_rewrite_and_xgrammar_reports_them(
+        backends, ranks, vocab):
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8192}},
+              "required": ["s"]}
+    auto = compile_spec(schema_spec(schema), backends)
+    assert auto.backend == LLGUIDANCE and auto.unenforced == ()
+    m = ranks[LLGUIDANCE].new_matcher(ranks[LLGUIDANCE].deserialize(auto.payload))
+    assert accepts(m, vocab, '{"s": "hello"}') and not accepts(m, vocab, '{"s": "a\tb"}')
+    forced = compile_spec(schema_spec(schema, backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR),
+                          backends)
+    assert forced.unenforced == ("properties.s.maxLength",)
+
+
+def test_unlisted_properties_mean_the_same_on_both_backends(backends, ranks, vocab):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    extra = '{"a": 1, "b": 2}'
+    for allow in (False, True):
+        spec = schema_spec(schema, allow_unlisted_properties=allow)
+        for name in (XGRAMMAR, LLGUIDANCE):
+            m = round_trip(backends, ranks, spec, name)
+            assert accepts(m, vocab, '{"a": 1}')
+            assert accepts(m, vocab, extra) == allow, (name, allow)
+
+
+@pytest.mark.parametrize("whitespace,text,ok", [
+    (common_pb2.WHITESPACE_BOUNDED, '{"a":    1}', True),
+    (common_pb2.WHITESPACE_BOUNDED, '{"a":     1}', False),
+    (common_pb2.WHITESPACE_COMPACT, '{"a": 1}', False),
+    (common_pb2.WHITESPACE_COMPACT, '{"a":1}', True),
+    (common_pb2.WHITESPACE_ANY, '{"a":' + " " * 40 + "1}", True),
+])
+def test_whitespace_options_mean_the_same_on_llguidance(backends, ranks, vocab, whitespace,
+                                                         text, ok):
+    spec = schema_spec({"type": "object", "properties": {"a": {"type": "integer"}}},
+                       whitespace=whitespace)
+    for name in (XGRAMMAR, LLGUIDANCE):
+        assert accepts(round_trip(backends, ranks, spec, name), vocab, text) == ok, name
