@@ -222,7 +222,6 @@ def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided
     whose strings never close under random weights), so every timed step decodes `batch` rows.
     """
     import json
-    import queue
 
     import xgrammar as xgr
 
@@ -250,7 +249,7 @@ def time_engine_steps(model: Transformer, model_dir: Path, batch: int, *, guided
     for i in range(batch):
         prompt = torch.randint(0, vocab.vocab_size, (context,), generator=gen).tolist()
         req = Request(request_id=f"b{i}", prompt=prompt, max_tokens=10**6, temperature=1.0,
-                      seed=i, ignore_eos=True, events=queue.Queue())
+                      seed=i, ignore_eos=True)
         if compiled is not None:
             req.matcher = xgr.GrammarMatcher(compiled)
         table.allocate(req.request_id, req)
