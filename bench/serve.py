@@ -180,6 +180,41 @@ class Stack:
             say(f"gramserve up (pid {self.proc.pid}) did not exit after SIGKILL")
 
 
+def roles(root: int) -> dict[str, int]:
+    """The stack's processes by role (gateway, rank0, rank1, ..., grammar), from their
+    command lines; compile-pool children and helpers are left out."""
+    out = {}
+    for pid in _descendants(root):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv]
+        if "-m" not in args:
+            continue
+        module = args[args.index("-m") + 1] if args.index("-m") + 1 < len(args) else ""
+        if module == "gateway":
+            out["gateway"] = pid
+        elif module == "grammar_service":
+            out["grammar"] = pid
+        elif module == "gpu_worker" and "--rank" in args:
+            out[f"rank{args[args.index('--rank') + 1]}"] = pid
+    return out
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds of each process (all its threads), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for role, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[role] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -241,24 +276,60 @@ def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, dura
 def run_matrix(addr: str, stack: Stack, ns, say_line) -> list[dict]:
     """Every (concurrency, family, ratio) run; returns one row dict each."""
     worker_url = next((u for k, u in stack.metrics.items() if "rank 0" in k), None)
+    pids = roles(stack.proc.pid)
     rows = []
     for c in ns.concurrency:
         plan = [("-", 0.0)] + [(f, r) for f in ns.families for r in ns.ratios if r > 0]
         for family, ratio in plan:
             before = scrape(worker_url) if worker_url else {}
+            cpu0 = cpu_seconds(pids)
             t0 = time.monotonic()
+            spies = (start_profile(pids, ns, f"c{c}-{family}-{ratio:g}")
+                     if f"{c}:{family}:{ratio:g}" in ns.profile else [])
             summary = run_load(addr, c, "short" if family == "-" else family, ratio, ns,
                                duration=ns.duration, requests=ns.requests)
+            wall = time.monotonic() - t0
+            cpu1 = cpu_seconds(pids)
             after = scrape(worker_url) if worker_url else {}
+            for spy in spies:
+                try:
+                    spy.wait(30)
+                except subprocess.TimeoutExpired:
+                    spy.kill()
             row = {"concurrency": c, "family": family, "ratio": ratio, **summary,
-                   "worker": metrics_delta(before, after), "wall_s": time.monotonic() - t0}
+                   "worker": metrics_delta(before, after), "wall_s": wall,
+                   # CPU cores each process kept busy over the run (1.0 = one core saturated)
+                   "cpu_cores": {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 2)
+                                 for k in cpu1}}
             rows.append(row)
             say_line(f"run c={c} family={family} ratio={ratio}: "
                      f"{summary['output_tokens_per_second']:.0f} tok/s, "
                      f"{summary['ok']}/{summary['requests']} ok, errors {summary['errors']}, "
                      f"finish {summary['finish_reasons']}, "
-                     f"tokens/delta {summary['tokens_per_delta']:.2f}, worker {row['worker']}")
+                     f"tokens/delta {summary['tokens_per_delta']:.2f}, "
+                     f"cpu cores {row['cpu_cores']}, worker {row['worker']}")
     return rows
+
+
+def start_profile(pids: dict[str, int], ns, name: str) -> list[subprocess.Popen]:
+    """py-spy (from PATH or $PYSPY) sampling the gateway and rank 0 for the run's duration,
+    collapsed stacks per thread into --out/pyspy-<name>-<role>.txt."""
+    import shutil
+
+    exe = os.environ.get("PYSPY") or shutil.which("py-spy")
+    if not exe:
+        say("no py-spy on PATH: not profiling")
+        return []
+    spies = []
+    for role in ("gateway", "rank0"):
+        if role in pids:
+            out = ns.out / f"pyspy-{name}-{role}.txt"
+            spies.append(subprocess.Popen(
+                [exe, "record", "-p", str(pids[role]), "-d", str(max(1, int(ns.duration or 5))), "-r", "250",
+                 "--threads", "--gil" if role == "gateway" and ns.profile_gil else "--idle",
+                 "-f", "raw", "-o", str(out), "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return spies
 
 
 # ------------------------------------------------------------------------------- client check
@@ -414,7 +485,7 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
     """One markdown table: service rows, then the engine-alone and HF rows."""
     head = ("| concurrency | family | guided | output tok/s | req/s | TTFT p50 / p99 ms | "
             "inter-token p50 / p99 ms | tok/delta | errors | schema-valid | service eff. | "
-            "guided ÷ unguided | ÷ HF |")
+            "guided ÷ unguided | ÷ HF | CPU cores gateway / rank 0 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     plain = {r["concurrency"]: r["output_tokens_per_second"] for r in rows if r["ratio"] == 0}
     hf_plain = hf.get("hf_unconstrained", {}).get("tokens_per_s")
@@ -435,8 +506,10 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
             f"{_ms(r['ttft_seconds'], 'p99')} | {_ms(r['inter_token_seconds'], 'p50')} / "
             f"{_ms(r['inter_token_seconds'], 'p99')} | {r['tokens_per_delta']:.2f} | "
             f"{sum(r['errors'].values())} {r['errors'] or ''} | "
-            f"{'–' if valid is None else f'{valid:.3f}'} | {eff} | {ratio_g} | {vs_hf} |")
-    blank = " – | – | – | – | – | – | – | – | – |"
+            f"{'–' if valid is None else f'{valid:.3f}'} | {eff} | {ratio_g} | {vs_hf} | "
+            f"{r.get('cpu_cores', {}).get('gateway', '–')} / "
+            f"{r.get('cpu_cores', {}).get('rank0', '–')} |")
+    blank = " – | – | – | – | – | – | – | – | – | – |"
     for key, value in alone.items():
         what = (f"engine alone, decode step {value['ms']:.2f} ms" if key.startswith("decode")
                 else f"engine alone, whole step {value['ms']:.2f} ms")
@@ -488,6 +561,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--client-servers", type=int, default=4,
                    help="fake-gateway processes for the load generator's own ceiling (0: skip)")
+    p.add_argument("--profile", default="",
+                   help="runs to sample with py-spy, as c:family:ratio[,...] (e.g. 256:-:0)")
+    p.add_argument("--profile-gil", action="store_true",
+                   help="sample only threads holding the GIL (gateway)")
     p.add_argument("--client-check-only", action="store_true",
                    help="only measure the load generator against fake gateways; exit")
     ns = p.parse_args(argv)
@@ -499,6 +576,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ns.concurrency = [int(c) for c in str(ns.concurrency).split(",")]
     ns.ratios = [float(r) for r in ns.ratios.split(",")]
     ns.families = ns.families.split(",")
+    ns.profile = set(filter(None, ns.profile.split(",")))
     if ns.tokenizer is None and ns.train_tokenizer:
         ns.tokenizer = ROOT / ".bench" / "tok150k.json"
     return ns
@@ -530,7 +608,7 @@ def main(argv=None) -> int:
         return 0
     if ns.tokenizer is None and not ns.tiny:
         raise SystemExit("--tokenizer PATH (or --train-tokenizer) is required without --tiny")
-    out = ns.out or Path(tempfile.mkdtemp(prefix="serve-"))
+    out = ns.out = ns.out or Path(tempfile.mkdtemp(prefix="serve-"))
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="serve-model-") as tmp:
         return run_all(ns, Path(tmp), out)

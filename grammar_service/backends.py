@@ -298,6 +298,11 @@ class LLGuidanceMatcher:
         """The ids that end the output (as xgrammar's matcher reports its own)."""
         return sorted(self._eos)
 
+    @property
+    def llmatcher(self):
+        """The wrapped `llguidance.LLMatcher`, for batch mask fills (`LLExecutor`)."""
+        return self._m
+
     def fill_next_token_bitmask(self, bitmask, index: int = 0) -> bool:
         """Write every word of row `index` of `bitmask` (CPU int32, (rows, words), rows
         contiguous, words == ceil(vocab / 32)). Returns True (xgrammar returns whether the row

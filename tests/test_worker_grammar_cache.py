@@ -329,26 +329,30 @@ def test_llguidance_grammar_gives_llguidance_matchers_that_enforce_it(service, v
     assert cache.acquire("llg", None) is handle  # a hit, with no backend expectation
 
 
-def test_llguidance_and_xgrammar_matchers_fill_rows_of_the_shared_bitmask(service, vocab):
+@pytest.mark.parametrize("n_llg", [2, 6], ids=["llguidance-per-row", "llguidance-batched"])
+def test_llguidance_and_xgrammar_matchers_fill_rows_of_the_shared_bitmask(service, vocab, n_llg):
     service.add("llg", common_pb2.GrammarSpec(json_schema=BOUNDED), backend="llguidance")
     service.add("xgr", common_pb2.GrammarSpec(json_schema=SCHEMA))
     cache = _cache(service, vocab)
     llg, xg = cache.acquire("llg", None), cache.acquire("xgr", None)
-    rows = 12
-    masks = MaskFiller(rows, vocab.model_vocab_size, torch.device("cpu"), fill_threads=1)
+    n = 8 + n_llg
+    rows = n + 2
+    masks = MaskFiller(rows, vocab.model_vocab_size, torch.device("cpu"), fill_threads=2)
     masks.host.fill_(0x5A5A5A5A)  # stale bits everywhere: every filled row must be rewritten
-    # Eight xgrammar rows take xgrammar's batch path; the llguidance rows fill themselves.
-    matchers = [xg.new_matcher() for _ in range(8)] + [llg.new_matcher() for _ in range(2)]
+    # Eight xgrammar rows take xgrammar's batch path; llguidance rows fill one by one (2) or
+    # through llguidance's executor (6).
+    matchers = [xg.new_matcher() for _ in range(8)] + [llg.new_matcher() for _ in range(n_llg)]
     for token in vocab.encode('{"code": "a', add_special_tokens=False):
-        assert matchers[9].accept_token(token)
-    slots = [0, 1, 2, 3, 4, 5, 7, 8, 9, 11, 6, 10]
-    masks.fill(matchers, slots[:10])
-    for m, slot in zip(matchers[8:], slots[8:10], strict=True):
+        assert matchers[-1].accept_token(token)
+    slots = list(range(rows))[::-1]  # slots out of order; the last two are never filled
+    slots = slots[2:] + slots[:2]
+    masks.fill(matchers, slots[:n])
+    for m, slot in zip(matchers, slots[:n], strict=True):
         expected = torch.zeros((1, masks.width), dtype=torch.int32)
         m.fill_next_token_bitmask(expected, 0)
         assert torch.equal(masks.host[slot], expected[0])
-    assert not torch.equal(masks.host[slots[8]], masks.host[slots[9]])  # two states, two masks
-    for slot in slots[10:]:  # rows not handed to fill are untouched
+    assert not torch.equal(masks.host[slots[8]], masks.host[slots[n - 1]])  # two states
+    for slot in slots[n:]:  # rows not handed to fill are untouched
         assert (masks.host[slot] == 0x5A5A5A5A).all()
 
 
