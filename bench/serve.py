@@ -194,7 +194,7 @@ def roles(root: int) -> dict[str, int]:
             continue
         module = args[args.index("-m") + 1] if args.index("-m") + 1 < len(args) else ""
         if module == "gateway":
-            out["gateway"] = pid
+            out[f"gateway{sum(k.startswith('gateway') for k in out)}"] = pid
         elif module == "grammar_service":
             out["grammar"] = pid
         elif module == "gpu_worker" and "--rank" in args:
@@ -296,11 +296,12 @@ def run_matrix(addr: str, stack: Stack, ns, say_line) -> list[dict]:
                     spy.wait(30)
                 except subprocess.TimeoutExpired:
                     spy.kill()
+            # CPU cores each process kept busy over the run (1.0 = one core saturated)
+            cores = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 2) for k in cpu1}
+            gw = [v for k, v in cores.items() if k.startswith("gateway")]
+            cores.update(gateways_sum=round(sum(gw), 2), gateways_max=max(gw, default=0.0))
             row = {"concurrency": c, "family": family, "ratio": ratio, **summary,
-                   "worker": metrics_delta(before, after), "wall_s": wall,
-                   # CPU cores each process kept busy over the run (1.0 = one core saturated)
-                   "cpu_cores": {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 2)
-                                 for k in cpu1}}
+                   "worker": metrics_delta(before, after), "wall_s": wall, "cpu_cores": cores}
             rows.append(row)
             say_line(f"run c={c} family={family} ratio={ratio}: "
                      f"{summary['output_tokens_per_second']:.0f} tok/s, "
@@ -321,12 +322,12 @@ def start_profile(pids: dict[str, int], ns, name: str) -> list[subprocess.Popen]
         say("no py-spy on PATH: not profiling")
         return []
     spies = []
-    for role in ("gateway", "rank0"):
+    for role in ("gateway0", "rank0"):
         if role in pids:
             out = ns.out / f"pyspy-{name}-{role}.txt"
             spies.append(subprocess.Popen(
                 [exe, "record", "-p", str(pids[role]), "-d", str(max(1, int(ns.duration or 5))), "-r", "250",
-                 "--threads", "--gil" if role == "gateway" and ns.profile_gil else "--idle",
+                 "--threads", "--gil" if role == "gateway0" and ns.profile_gil else "--idle",
                  "-f", "raw", "-o", str(out), "--nonblocking"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return spies
@@ -485,7 +486,7 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
     """One markdown table: service rows, then the engine-alone and HF rows."""
     head = ("| concurrency | family | guided | output tok/s | req/s | TTFT p50 / p99 ms | "
             "inter-token p50 / p99 ms | tok/delta | errors | schema-valid | service eff. | "
-            "guided ÷ unguided | ÷ HF | CPU cores gateway / rank 0 |")
+            "guided ÷ unguided | ÷ HF | CPU cores gateways Σ / max / rank 0 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     plain = {r["concurrency"]: r["output_tokens_per_second"] for r in rows if r["ratio"] == 0}
     hf_plain = hf.get("hf_unconstrained", {}).get("tokens_per_s")
@@ -507,8 +508,8 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
             f"{_ms(r['inter_token_seconds'], 'p99')} | {r['tokens_per_delta']:.2f} | "
             f"{sum(r['errors'].values())} {r['errors'] or ''} | "
             f"{'–' if valid is None else f'{valid:.3f}'} | {eff} | {ratio_g} | {vs_hf} | "
-            f"{r.get('cpu_cores', {}).get('gateway', '–')} / "
-            f"{r.get('cpu_cores', {}).get('rank0', '–')} |")
+            f"{r['cpu_cores'].get('gateways_sum', '–')} / "
+            f"{r['cpu_cores'].get('gateways_max', '–')} / {r['cpu_cores'].get('rank0', '–')} |")
     blank = " – | – | – | – | – | – | – | – | – | – |"
     for key, value in alone.items():
         what = (f"engine alone, decode step {value['ms']:.2f} ms" if key.startswith("decode")
@@ -551,6 +552,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=10.0, help="seconds per run")
     p.add_argument("--requests", type=int, default=0, help="instead of --duration")
     p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--gateways", type=int, default=4,
+                   help="gateway processes sharing the port (gramserve up --gateways)")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--client-processes", type=int, default=4)
     p.add_argument("--request-timeout", type=float, default=60.0)
@@ -649,6 +652,7 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
                GRAMSERVE_CUDA_GRAPH_MAX_BATCH=str(ns.slots))
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
     stack = Stack(["--device", ns.device, "--tp", "1", "--slots", str(ns.slots),
+                   "--gateways", str(ns.gateways),
                    "--model", str(model_dir), "--port", "0", "--metrics-port", "0",
                    "--max-model-len", str(ns.max_model_len),
                    "--max-queue", str(max(64, 2 * max(ns.concurrency))),

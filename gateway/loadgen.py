@@ -50,7 +50,6 @@ SCHEMA_DIR = Path(__file__).resolve().parent.parent / "bench" / "schemas"
 FAMILIES = ("builtin", "short", "long")
 _PROMPTS = ("Describe a person.", "List some tags.", "What is the weather like?",
             "Write a short sentence.", "Give me a record.")
-_STREAMS_PER_CHANNEL = 64  # one HTTP/2 connection per this many streams
 _READY_TIMEOUT_S = 120.0  # for client processes to start and connect
 
 
@@ -78,6 +77,9 @@ def bench_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="requests sent first and not counted")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--streams-per-connection", type=int, default=8,
+                   help="streams per HTTP/2 connection: many connections, as many clients "
+                        "would open, spread over gateway processes sharing a port")
     p.add_argument("--processes", type=int, default=1,
                    help="client processes, each driving concurrency/P streams")
     p.add_argument("--structured-ratio", type=float, default=0.5,
@@ -157,7 +159,7 @@ def _channels(ns, streams: int) -> list[grpc.aio.Channel]:
     options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
     creds = (grpc.ssl_channel_credentials(Path(ns.tls_ca).read_bytes())
              if ns.tls_ca else None)
-    n = max(1, -(-streams // _STREAMS_PER_CHANNEL))
+    n = max(1, -(-streams // ns.streams_per_connection))
     return [grpc.aio.secure_channel(ns.addr, creds, options) if creds
             else grpc.aio.insecure_channel(ns.addr, options) for _ in range(n)]
 
@@ -231,6 +233,8 @@ def _check(ns) -> None:
         raise ValueError("--requests and --concurrency must be >= 1, --structured-ratio in [0, 1]")
     if ns.duration < 0 or ns.warmup < 0:
         raise ValueError("--duration and --warmup must be >= 0")
+    if ns.streams_per_connection < 1:
+        raise ValueError("--streams-per-connection must be >= 1")
     if not 1 <= ns.processes <= ns.concurrency:
         raise ValueError("--processes must be in [1, --concurrency]")
     load_schemas(ns.schema_family, ns.schema)

@@ -308,6 +308,8 @@ async def start_http(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Like gRPC's own listener: several gateway processes may share the port (`up --gateways`).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

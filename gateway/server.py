@@ -283,11 +283,13 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
         http_server, http_task, gateway.http_port = await start_http(
             app, config.http_host or config.host, config.http_port)
         gateway._parts["http"] = (http_server, http_task)
+    # Groups are checked before the port is bound: a gateway sharing its port with others
+    # (`up --gateways`) takes connections only once it knows its groups.
+    await monitor.start()
     server, port, health = await create_aio_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
         host=config.host, port=config.port, tls=config.tls_pair())
     health_ref.append(health)
-    await monitor.start()
     serving[:] = [bool(router.healthy_groups())]
     await set_serving_aio(health, [SERVICE_NAME], serving[0])
     gateway.port = port

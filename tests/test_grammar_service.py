@@ -176,11 +176,15 @@ def test_unenforced_keywords_are_reported_and_strict_refuses_them(served):
 def test_compile_reports_the_backend_and_why_and_a_forced_backend_has_its_own_key(
         served, vocab):
     _, stub, _ = served
-    schema = json.dumps({**PERSON, "title": "backend-choice"})
+    # A pattern next to a length bound: xgrammar drops the bound, so auto picks llguidance.
+    schema = json.dumps({**PERSON, "title": "backend-choice", "properties": {
+        **PERSON["properties"], "name": {"type": "string", "pattern": "^[A-Z][a-z]*$",
+                                         "maxLength": 8}}})
     auto = compile_(stub, json_schema=schema)
     forced = compile_(stub, json_schema=schema, options=common_pb2.GrammarOptions(
         backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR))
     assert (auto.backend, forced.backend) == ("llguidance", "xgrammar")
+    assert list(forced.unenforced_keywords) == ["properties.name.maxLength"]
     assert auto.backend_reason.startswith("auto: ") and "forced" in forced.backend_reason
     assert auto.key != forced.key
     for ref in (auto, forced):
