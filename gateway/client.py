@@ -82,8 +82,35 @@ def generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="print the final result as one JSON object")
-    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--json", action="store_true",
+                   help="print the final result as one JSON object (with the prompt's token ids)")
+    p.add_argument("--messages", metavar="FILE",
+                   help='chat messages instead of a prompt: a JSON file [{"role", "content"}, ...] '
+                        "rendered by the model's chat template ('-' reads stdin)")
+    p.add_argument("--tools", metavar="FILE",
+                   help="with --messages: a JSON file of tool definitions for the chat template")
+    p.add_argument("prompt", nargs="?", help="prompt text (or --messages)")
+
+
+def _prompt_fields(ns: argparse.Namespace) -> dict:
+    """The GenerateRequest prompt fields of the flags; ValueError when they do not fit."""
+    if (ns.messages is None) == (ns.prompt is None):
+        raise ValueError("give either a prompt or --messages")
+    if ns.messages is None:
+        if ns.tools:
+            raise ValueError("--tools needs --messages")
+        return {"prompt": ns.prompt}
+    raw = sys.stdin.read() if ns.messages == "-" else Path(ns.messages).read_text()
+    messages = json.loads(raw)
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError('--messages: expected a JSON array of {"role": str, "content": str}')
+    out = {"messages": [gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
+                        for m in messages]}
+    if ns.tools:
+        out["tools_json"] = Path(ns.tools).read_text()
+    return out
 
 
 def generate_main(ns: argparse.Namespace) -> int:
@@ -92,8 +119,13 @@ def generate_main(ns: argparse.Namespace) -> int:
     for name in ("max_tokens", "temperature", "top_p", "seed"):
         if getattr(ns, name) is not None:
             setattr(sampling, name, getattr(ns, name))
-    req = gateway_pb2.GenerateRequest(prompt=ns.prompt, sampling=sampling,
-                                      constraint=constraint_from_args(ns))
+    try:
+        fields = _prompt_fields(ns)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    req = gateway_pb2.GenerateRequest(sampling=sampling, constraint=constraint_from_args(ns),
+                                      echo_prompt_token_ids=ns.json, **fields)
     ch, stub = _stub(ns)
     final = None
     try:
@@ -116,7 +148,8 @@ def generate_main(ns: argparse.Namespace) -> int:
                "usage": {"prompt_tokens": final.usage.prompt_tokens,
                          "completion_tokens": final.usage.completion_tokens},
                "schema_valid": final.schema_valid if final.HasField("schema_valid") else None,
-               "seed": final.seed, "request_id": final.request_id}
+               "seed": final.seed, "request_id": final.request_id,
+               "prompt_token_ids": list(final.prompt_token_ids)}
         if final.schema_error:
             out["schema_error"] = final.schema_error
         print(json.dumps(out))

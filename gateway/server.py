@@ -183,7 +183,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             admit.grammar.CopyFrom(request.constraint)
         return Job(admit=admit, request_id=request_id, kind=kind, stops=stops, include_stop=include_stop,
                    schema=request.constraint.json_schema if kind == "json_schema" else None,
-                   arrived=arrived, compile_seconds=compile_seconds, deadline=deadline)
+                   arrived=arrived, compile_seconds=compile_seconds, deadline=deadline,
+                   echo_prompt=request.echo_prompt_token_ids)
 
     def _check_model(self, model: str) -> None:
         if model and model != self._model_id:
