@@ -268,7 +268,10 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
     monitor = HealthMonitor(router, clients, vocab.fingerprint, config.health_interval)
     runner = Runner(router, clients, vocab.token_bytes, metrics, monitor.poke,
                     check_output_against_schema)
-    servicer = GatewayServicer(config, vocab, Path(model_dir).name, router, runner, metrics)
+    # A model named by Hugging Face repo id is served under that id, not its snapshot's hash.
+    model_id = config.model if config.model and model_dir.parent.name == "snapshots" \
+        else Path(model_dir).name
+    servicer = GatewayServicer(config, vocab, model_id, router, runner, metrics)
     if config.http_port >= 0:  # bound before gRPC health can say SERVING
         app = create_app(servicer, config.max_request_bytes)
         http_server, http_task, gateway.http_port = await start_http(

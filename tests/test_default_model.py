@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -163,3 +164,26 @@ def test_resolve_model_default_and_bad_paths(monkeypatch, tmp_path, model_dir):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="tokenizer.json"):
         resolve_model(str(tmp_path))
+
+
+def _fake_hf_cache(root: Path, repo_id: str, model_dir: Path) -> Path:
+    """The layout huggingface_hub writes: models--owner--name/{refs/main, snapshots/<commit>}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot)
+    return snapshot
+
+
+def test_model_given_as_repo_id_resolves_from_the_local_hf_cache(model_dir, tmp_path,
+                                                                  monkeypatch):
+    snapshot = _fake_hf_cache(tmp_path / "hub", "acme/tiny-llama", model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
+    assert default_model.resolve_model("acme/tiny-llama") == snapshot
+    assert load_vocab(snapshot).fingerprint == VOCAB_FINGERPRINT
+    with pytest.raises(ValueError, match="'acme/absent' is neither a directory nor a Hugging "
+                                         "Face repo in the local cache"):
+        default_model.resolve_model("acme/absent")
