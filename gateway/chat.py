@@ -1,47 +1,57 @@
-"""Chat messages rendered with the checkpoint's own chat template (jinja2, sandboxed)."""
+"""Chat messages to prompt ids through the checkpoint's own chat template.
+
+Rendering is transformers' `apply_chat_template` (grammar_service.vocab.Vocab): its sandboxed
+jinja environment with `raise_exception`, `strftime_now` and a `tojson` that keeps non-ASCII
+text, the template from tokenizer_config.json or chat_template.jinja, and tools passed to the
+template. What stays here is the gateway's part: the request's fields in, a refusal out as
+INVALID_ARGUMENT naming the field.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from grammar_service.vocab import Vocab
+from protos import gateway_pb2
 from protos.rpc import InvalidArgument
 
+# What a template raises when the messages do not fit it (a role it does not know, content
+# of the wrong type, tools without a user message): the request's fault, never the server's.
+_REFUSALS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
-def _raise_exception(message: str) -> None:
-    # Templates call raise_exception("...") to refuse a conversation (e.g. bad role order).
-    raise jinja2.TemplateError(message)
+
+def parse_tools(tools_json: str) -> list[dict[str, Any]] | None:
+    """The tool definitions of a GenerateRequest (None when empty). Raises InvalidArgument
+    (field tools_json) unless it is a JSON array of objects."""
+    if not tools_json:
+        return None
+    try:
+        tools = json.loads(tools_json)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"not valid JSON: {exc}", field="tools_json") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidArgument("must be a JSON array of objects", field="tools_json")
+    return tools
 
 
-@dataclass(frozen=True)
-class ChatTemplate:
-    """A compiled chat template with the special tokens it refers to."""
+def chat_prompt_ids(vocab: Vocab, messages: Sequence[gateway_pb2.ChatMessage],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Prompt ids of `messages` (and `tools`) rendered by the model's chat template with the
+    generation prompt appended, equal to transformers' `apply_chat_template`.
 
-    source: str
-    bos_token: str = ""
-    eos_token: str = ""
-
-    def __post_init__(self):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        # A frozen dataclass: bypass __setattr__ once, for the compiled template.
-        object.__setattr__(self, "_template", env.from_string(self.source))
-
-    def render(self, messages: Sequence[tuple[str, str]]) -> str:
-        """Render (role, content) pairs with the generation prompt appended.
-
-        Raises InvalidArgument(field="messages") when the template refuses the messages.
-        """
-        try:
-            return self._template.render(
-                messages=[{"role": r, "content": c} for r, c in messages],
-                add_generation_prompt=True,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-            )
-        except jinja2.TemplateError as exc:
-            raise InvalidArgument(f"the model's chat template refused them: {exc}",
-                                  field="messages") from exc
+    Raises InvalidArgument(field="messages") when the model has no chat template or the
+    template refuses the messages.
+    """
+    if vocab.chat_template is None:
+        raise InvalidArgument("the model has no chat template; send `prompt` instead",
+                              field="messages")
+    try:
+        return vocab.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], tools)
+    except _REFUSALS as exc:
+        raise InvalidArgument(f"the model's chat template refused them: {exc}",
+                              field="messages") from exc

@@ -10,15 +10,15 @@ import argparse
 import os
 import sys
 
-from gateway import client, launcher, loadgen
+from gateway import commands, launcher, loadgen
 
 _COMMANDS = {
     "up": (launcher.up_parser, launcher.up_main,
            "start grammar service, worker groups and gateway on loopback"),
-    "generate": (client.generate_parser, client.generate_main, "generate text"),
-    "compile": (client.compile_parser, client.compile_main, "check and compile a constraint"),
+    "generate": (commands.generate_parser, commands.generate_main, "generate text"),
+    "compile": (commands.compile_parser, commands.compile_main, "check and compile a constraint"),
     "bench": (loadgen.bench_parser, loadgen.bench_main, "load generator"),
-    "health": (client.health_parser, client.health_main, "exit 0 when every service is SERVING"),
+    "health": (commands.health_parser, commands.health_main, "exit 0 when every service is SERVING"),
 }
 _PASS_THROUGH = {
     "gateway": "run the gateway server",

@@ -1,171 +1,413 @@
-"""`gramserve generate`, `gramserve compile` and `gramserve health`: clients of a gateway."""
+"""A typed Python client of the gramserve gateway, sync (`Client`) and asyncio (`AsyncClient`).
+
+    from gateway.client import Client, JsonSchema
+
+    with Client("127.0.0.1:50051") as client:
+        out = client.generate("A number:", constraint=JsonSchema(schema, whitespace="compact"))
+        out.text, out.finish_reason, out.schema_valid
+
+Constraints are typed values (`JsonSchema`, `JsonObject`, `Regex`, `Ebnf`, `Choice`,
+`StructuralTag`); results are frozen dataclasses; every failure the gateway reports is a
+`GramserveError` carrying the gRPC status code and, when the server named one, the offending
+field. Both clients speak the same protos as `gramserve generate`; nothing here is needed by
+the server.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from pathlib import Path
+import re
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import grpc
 
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
-from protos.rpc import channel, check_health, env_default
+from protos.rpc import aio_channel, channel
 
-# Statuses that mean "the server refused this request" (exit 2) rather than "it failed".
-REJECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-            grpc.StatusCode.RESOURCE_EXHAUSTED}
+Whitespace = Literal["bounded", "compact", "any"]
 _WHITESPACE = {"bounded": common_pb2.WHITESPACE_BOUNDED, "compact": common_pb2.WHITESPACE_COMPACT,
                "any": common_pb2.WHITESPACE_ANY}
+# The gateway's messages start with the field they are about: "sampling.top_p: must be ...".
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 
-def add_connection_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", default=env_default("addr", "127.0.0.1:50051"),
-                   help="gateway address host:port (GRAMSERVE_ADDR)")
-    p.add_argument("--tls-ca", default=env_default("tls_ca", ""),
-                   help="CA PEM to reach a TLS gateway (GRAMSERVE_TLS_CA)")
-    p.add_argument("--timeout", type=float, default=env_default("timeout", 300.0),
-                   help="deadline of each request in seconds (GRAMSERVE_TIMEOUT)")
+class GramserveError(Exception):
+    """A request the gateway refused or failed: `code` (grpc.StatusCode), `field` (the request
+    field the server named, or None) and the server's `message`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        match = _FIELD.match(message or "")
+        self.code, self.message = code, message
+        self.field = match.group(1) if match else None
+        super().__init__(f"{code.name}: {message}")
+
+    @classmethod
+    def of(cls, exc: grpc.RpcError) -> GramserveError:
+        return cls(exc.code(), exc.details() or "")
 
 
-def add_constraint_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--json-schema", metavar="FILE", help="JSON Schema file")
-    g.add_argument("--regex", metavar="R", help="regular expression for the whole output")
-    g.add_argument("--ebnf", metavar="FILE", help="EBNF grammar file (start rule `root`)")
-    g.add_argument("--choice", action="append", metavar="S", help="one allowed output (repeat)")
-    g.add_argument("--json-object", action="store_true", help="any JSON object")
-    g.add_argument("--structural-tag", metavar="FILE", help="xgrammar structural tag JSON file")
-    p.add_argument("--whitespace", choices=sorted(_WHITESPACE), default="bounded",
-                   help="whitespace between JSON tokens (default bounded)")
-    p.add_argument("--strict", action="store_true",
-                   help="refuse schemas with keywords the grammar does not enforce")
+# ----------------------------------------------------------------------------- constraints
 
 
-def constraint_from_args(ns: argparse.Namespace) -> common_pb2.GrammarSpec:
-    """The GrammarSpec the constraint flags describe (no kind set when none was given)."""
-    spec = common_pb2.GrammarSpec(options=common_pb2.GrammarOptions(
-        whitespace=_WHITESPACE[ns.whitespace], strict=ns.strict))
-    if ns.json_schema:
-        spec.json_schema = Path(ns.json_schema).read_text()
-    elif ns.regex is not None:
-        spec.regex = ns.regex
-    elif ns.ebnf:
-        spec.ebnf = Path(ns.ebnf).read_text()
-    elif ns.choice:
-        spec.choice.choices.extend(ns.choice)
-    elif ns.json_object:
+@dataclass(frozen=True)
+class JsonSchema:
+    """Output must be an instance of `schema` (a dict or JSON text). `strict` refuses schemas
+    with keywords the grammar cannot enforce."""
+
+    schema: Mapping[str, Any] | str
+    whitespace: Whitespace = "bounded"
+    strict: bool = False
+
+    def to_proto(self) -> common_pb2.GrammarSpec:
+        text = self.schema if isinstance(self.schema, str) else json.dumps(self.schema)
+        return common_pb2.GrammarSpec(json_schema=text, options=_options(self.whitespace,
+                                                                         self.strict))
+
+
+@dataclass(frozen=True)
+class JsonObject:
+    """Output must be some JSON object."""
+
+    whitespace: Whitespace = "bounded"
+
+    def to_proto(self) -> common_pb2.GrammarSpec:
+        spec = common_pb2.GrammarSpec(options=_options(self.whitespace))
         spec.json_object.SetInParent()
-    elif ns.structural_tag:
-        spec.structural_tag = Path(ns.structural_tag).read_text()
-    return spec
+        return spec
 
 
-def _stub(ns) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:
-    ca = Path(ns.tls_ca).read_bytes() if ns.tls_ca else None
-    ch = channel(ns.addr, tls_ca=ca)
-    return ch, gateway_pb2_grpc.GatewayStub(ch)
+@dataclass(frozen=True)
+class Regex:
+    """The whole output must match `pattern`."""
+
+    pattern: str
+
+    def to_proto(self) -> common_pb2.GrammarSpec:
+        return common_pb2.GrammarSpec(regex=self.pattern)
 
 
-def _fail(exc: grpc.RpcError) -> int:
-    print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-    return 2 if exc.code() in REJECTED else 1
+@dataclass(frozen=True)
+class Ebnf:
+    """The output must derive from `grammar` (xgrammar's EBNF, start rule `root`)."""
+
+    grammar: str
+
+    def to_proto(self) -> common_pb2.GrammarSpec:
+        return common_pb2.GrammarSpec(ebnf=self.grammar)
 
 
-def generate_parser(p: argparse.ArgumentParser) -> None:
-    add_connection_args(p)
-    add_constraint_args(p)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeat)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="print the final result as one JSON object")
-    p.add_argument("prompt", help="prompt text")
+@dataclass(frozen=True)
+class Choice:
+    """The output must be exactly one of `options`."""
+
+    options: Sequence[str]
+
+    def to_proto(self) -> common_pb2.GrammarSpec:
+        spec = common_pb2.GrammarSpec()
+        spec.choice.choices.extend(self.options)
+        return spec
 
 
-def generate_main(ns: argparse.Namespace) -> int:
-    """Stream one generation to stdout. 0 ok, 2 rejected, 1 other failures."""
-    sampling = common_pb2.SamplingParams(stop=ns.stop, ignore_eos=ns.ignore_eos)
-    for name in ("max_tokens", "temperature", "top_p", "seed"):
-        if getattr(ns, name) is not None:
-            setattr(sampling, name, getattr(ns, name))
-    req = gateway_pb2.GenerateRequest(prompt=ns.prompt, sampling=sampling,
-                                      constraint=constraint_from_args(ns))
-    ch, stub = _stub(ns)
-    final = None
-    try:
-        for resp in stub.Generate(req, timeout=ns.timeout):
-            if resp.HasField("final"):
-                final = resp.final
-            elif not ns.json:
-                sys.stdout.write(resp.delta.text)
-                sys.stdout.flush()
-    except grpc.RpcError as exc:
-        return _fail(exc)
-    finally:
-        ch.close()
-    if final is None:
-        print("error: the stream ended without a final message", file=sys.stderr)
-        return 1
-    reason = common_pb2.FinishReason.Name(final.finish_reason)
-    if ns.json:
-        out = {"text": final.text, "finish_reason": reason,
-               "usage": {"prompt_tokens": final.usage.prompt_tokens,
-                         "completion_tokens": final.usage.completion_tokens},
-               "schema_valid": final.schema_valid if final.HasField("schema_valid") else None,
-               "seed": final.seed, "request_id": final.request_id}
-        if final.schema_error:
-            out["schema_error"] = final.schema_error
-        print(json.dumps(out))
-    else:
-        print()
-    if "ERROR" in reason:
-        print(f"error: {reason}: {final.message}", file=sys.stderr)
-        return 1
-    return 0
+@dataclass(frozen=True)
+class StructuralTag:
+    """An xgrammar structural tag (a dict or JSON text)."""
+
+    tag: Mapping[str, Any] | str
+
+    def to_proto(self) -> common_pb2.GrammarSpec:
+        return common_pb2.GrammarSpec(
+            structural_tag=self.tag if isinstance(self.tag, str) else json.dumps(self.tag))
 
 
-def compile_parser(p: argparse.ArgumentParser) -> None:
-    add_connection_args(p)
-    add_constraint_args(p)
-    p.add_argument("--json", action="store_true", help="print key, kind, cached, compile_ms")
+Constraint = JsonSchema | JsonObject | Regex | Ebnf | Choice | StructuralTag
 
 
-def compile_main(ns: argparse.Namespace) -> int:
-    """Check and compile a constraint; print its key. 0 ok, 2 invalid, 1 other failures."""
-    req = gateway_pb2.CompileGrammarRequest(constraint=constraint_from_args(ns))
-    ch, stub = _stub(ns)
-    try:
-        resp = stub.CompileGrammar(req, timeout=ns.timeout)
-    except grpc.RpcError as exc:
-        return _fail(exc)
-    finally:
-        ch.close()
-    if ns.json:
-        print(json.dumps({"key": resp.key, "kind": resp.kind, "cached": resp.cached,
-                          "compile_ms": round(resp.compile_seconds * 1000, 3),
-                          "unenforced_keywords": list(resp.unenforced_keywords),
-                          "backend": resp.backend, "backend_reason": resp.backend_reason}))
-    else:
-        print(resp.key)
-    return 0
+def _options(whitespace: Whitespace, strict: bool = False) -> common_pb2.GrammarOptions:
+    if whitespace not in _WHITESPACE:
+        raise ValueError(f"whitespace: expected one of {', '.join(_WHITESPACE)}, got {whitespace!r}")
+    return common_pb2.GrammarOptions(whitespace=_WHITESPACE[whitespace], strict=strict)
 
 
-def health_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", action="append", default=None,
-                   help="address to check (repeat); default GRAMSERVE_ADDR or 127.0.0.1:50051")
-    p.add_argument("--timeout", type=float, default=2.0)
+# ----------------------------------------------------------------------------- results
 
 
-def health_main(ns: argparse.Namespace) -> int:
-    """Exit 0 when every address answers SERVING; print one line per address."""
-    addrs = ns.addr or [env_default("addr", "127.0.0.1:50051")]
-    ok = True
-    for addr in addrs:
-        serving = check_health(addr, timeout=ns.timeout)
-        ok &= serving
-        print(f"{addr}: {'SERVING' if serving else 'NOT SERVING'}")
-    return 0 if ok else 1
+@dataclass(frozen=True)
+class Delta:
+    """New text of a stream (never split inside a UTF-8 character) and its token ids."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished generation. `finish_reason` is the proto name without its prefix, lower
+    case: "stop", "length", "grammar_completed", "stop_string", ... `schema_valid` is None
+    unless the constraint was a JSON schema."""
+
+    text: str
+    finish_reason: str
+    message: str
+    prompt_tokens: int
+    completion_tokens: int
+    schema_valid: bool | None
+    schema_error: str
+    seed: int
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, final: gateway_pb2.Final) -> Completion:
+        name = common_pb2.FinishReason.Name(final.finish_reason)
+        return cls(text=final.text, finish_reason=name.removeprefix("FINISH_REASON_").lower(),
+                   message=final.message, prompt_tokens=final.usage.prompt_tokens,
+                   completion_tokens=final.usage.completion_tokens,
+                   schema_valid=final.schema_valid if final.HasField("schema_valid") else None,
+                   schema_error=final.schema_error, seed=final.seed,
+                   request_id=final.request_id, prompt_token_ids=tuple(final.prompt_token_ids))
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A constraint the grammar service accepted: its cache key and how it was compiled."""
+
+    key: str
+    kind: str
+    cached: bool
+    compile_seconds: float
+    unenforced_keywords: tuple[str, ...]
+    backend: str
+
+
+@dataclass(frozen=True)
+class Model:
+    """A served model: id, vocabulary size, context length, groups and their TP size."""
+
+    id: str
+    vocab_size: int
+    max_model_len: int
+    groups: int
+    tp_size: int
+
+
+def _request(prompt: str | None, *, messages, prompt_token_ids, tools, constraint, model,
+             max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, request_id,
+             echo_prompt_token_ids) -> gateway_pb2.GenerateRequest:
+    """The GenerateRequest of the keyword arguments (see Client.generate)."""
+    forms = [prompt is not None, bool(messages), bool(prompt_token_ids)]
+    if sum(forms) != 1:
+        raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
+    sampling = common_pb2.SamplingParams(stop=list(stop), ignore_eos=ignore_eos, top_k=top_k)
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                        ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    req = gateway_pb2.GenerateRequest(
+        model=model, sampling=sampling, request_id=request_id,
+        echo_prompt_token_ids=echo_prompt_token_ids,
+        constraint=constraint.to_proto() if constraint is not None else None)
+    if prompt is not None:
+        req.prompt = prompt
+    req.prompt_token_ids.extend(prompt_token_ids or ())
+    for m in messages or ():
+        role, content = (m["role"], m["content"]) if isinstance(m, Mapping) else m
+        req.messages.add(role=role, content=content)
+    if tools:
+        req.tools_json = json.dumps(list(tools), ensure_ascii=False)
+    return req
+
+
+def _compile_request(constraint: Constraint, model: str) -> gateway_pb2.CompileGrammarRequest:
+    return gateway_pb2.CompileGrammarRequest(model=model, constraint=constraint.to_proto())
+
+
+def _compiled(resp: gateway_pb2.CompileGrammarResponse) -> Compiled:
+    return Compiled(key=resp.key, kind=resp.kind, cached=resp.cached,
+                    compile_seconds=resp.compile_seconds,
+                    unenforced_keywords=tuple(resp.unenforced_keywords), backend=resp.backend)
+
+
+def _models(resp: gateway_pb2.ListModelsResponse) -> list[Model]:
+    return [Model(m.id, m.vocab_size, m.max_model_len, m.groups, m.tp_size) for m in resp.models]
+
+
+def _event(resp: gateway_pb2.GenerateResponse) -> Delta | Completion:
+    if resp.HasField("final"):
+        return Completion.of(resp.final)
+    return Delta(resp.delta.text, tuple(resp.delta.token_ids))
+
+
+# ----------------------------------------------------------------------------- sync
+
+
+class Stream:
+    """The deltas of one generation, iterated; `completion` is set once the stream ends.
+    `cancel()` stops it (the gateway releases the slot)."""
+
+    def __init__(self, call):
+        self._call = call
+        self.completion: Completion | None = None
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            for resp in self._call:
+                event = _event(resp)
+                if isinstance(event, Completion):
+                    self.completion = event
+                else:
+                    yield event
+        except grpc.RpcError as exc:
+            raise GramserveError.of(exc) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class Client:
+    """A blocking client of one gateway (`address` host:port; `tls_ca` PEM bytes for TLS).
+    `timeout` is each call's deadline in seconds. Use as a context manager or call close()."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", *, tls_ca: bytes | None = None,
+                 timeout: float = 300.0, model: str = ""):
+        self._channel = channel(address, tls_ca=tls_ca)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self.timeout, self.model = timeout, model
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def stream(self, prompt: str | None = None, *,
+               messages: Sequence[Mapping[str, str] | tuple[str, str]] | None = None,
+               prompt_token_ids: Sequence[int] | None = None,
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               constraint: Constraint | None = None, max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
+               seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
+               request_id: str = "", echo_prompt_token_ids: bool = False) -> Stream:
+        """Start a generation and return its Stream of deltas. Exactly one prompt form:
+        `prompt` text, chat `messages` ({"role", "content"} dicts or (role, content) pairs,
+        rendered by the model's chat template with `tools`) or `prompt_token_ids`.
+        `constraint` None means unguided. Raises ValueError for a bad combination here and
+        GramserveError (while iterating) for anything the gateway refuses."""
+        req = _request(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+                       tools=tools, constraint=constraint, model=self.model,
+                       max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                       top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
+                       request_id=request_id, echo_prompt_token_ids=echo_prompt_token_ids)
+        return Stream(self._stub.Generate(req, timeout=self.timeout))
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Completion:
+        """Generate to the end and return the Completion; same arguments as `stream`.
+        Raises GramserveError."""
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        if stream.completion is None:
+            raise GramserveError(grpc.StatusCode.INTERNAL, "the stream ended without a final")
+        return stream.completion
+
+    def compile(self, constraint: Constraint) -> Compiled:
+        """Check and compile `constraint` without generating. Raises GramserveError
+        (INVALID_ARGUMENT naming the field for a bad grammar)."""
+        try:
+            return _compiled(self._stub.CompileGrammar(_compile_request(constraint, self.model),
+                                                       timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise GramserveError.of(exc) from None
+
+    def models(self) -> list[Model]:
+        """The models the gateway serves. Raises GramserveError."""
+        try:
+            return _models(self._stub.ListModels(gateway_pb2.ListModelsRequest(),
+                                                 timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise GramserveError.of(exc) from None
+
+
+# ----------------------------------------------------------------------------- asyncio
+
+
+class AsyncStream:
+    """The asyncio Stream: `async for delta in stream`, then `stream.completion`."""
+
+    def __init__(self, call):
+        self._call = call
+        self.completion: Completion | None = None
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        try:
+            async for resp in self._call:
+                event = _event(resp)
+                if isinstance(event, Completion):
+                    self.completion = event
+                else:
+                    yield event
+        except grpc.RpcError as exc:
+            raise GramserveError.of(exc) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class AsyncClient:
+    """The asyncio client: the same methods as `Client`, as coroutines (`stream` returns an
+    AsyncStream at once). Create and use it inside one event loop; `await close()`."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", *, tls_ca: bytes | None = None,
+                 timeout: float = 300.0, model: str = ""):
+        self._channel = aio_channel(address, tls_ca=tls_ca)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self.timeout, self.model = timeout, model
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def stream(self, prompt: str | None = None, **kwargs) -> AsyncStream:
+        """Start a generation; arguments as Client.stream."""
+        req = _request(prompt, model=self.model, **{**_DEFAULTS, **kwargs})
+        return AsyncStream(self._stub.Generate(req, timeout=self.timeout))
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> Completion:
+        """Generate to the end; arguments as Client.stream. Raises GramserveError."""
+        stream = self.stream(prompt, **kwargs)
+        async for _ in stream:
+            pass
+        if stream.completion is None:
+            raise GramserveError(grpc.StatusCode.INTERNAL, "the stream ended without a final")
+        return stream.completion
+
+    async def compile(self, constraint: Constraint) -> Compiled:
+        """As Client.compile."""
+        try:
+            return _compiled(await self._stub.CompileGrammar(
+                _compile_request(constraint, self.model), timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise GramserveError.of(exc) from None
+
+    async def models(self) -> list[Model]:
+        """As Client.models."""
+        try:
+            return _models(await self._stub.ListModels(gateway_pb2.ListModelsRequest(),
+                                                       timeout=self.timeout))
+        except grpc.RpcError as exc:
+            raise GramserveError.of(exc) from None
+
+
+_DEFAULTS: dict[str, Any] = dict(
+    messages=None, prompt_token_ids=None, tools=None, constraint=None, max_tokens=None,
+    temperature=None, top_p=None, top_k=0, seed=None, stop=(), ignore_eos=False,
+    request_id="", echo_prompt_token_ids=False)

@@ -101,6 +101,7 @@ class Job:
     arrived: float
     compile_seconds: float
     deadline: float | None  # time.monotonic()
+    echo_prompt: bool = False  # return the prompt ids in the final message
 
 
 @dataclass
@@ -283,6 +284,8 @@ class Runner:
                 total_seconds=now - job.arrived))
         if usage is not None and usage.completion_tokens:
             final.usage.CopyFrom(usage)
+        if job.echo_prompt:
+            final.prompt_token_ids.extend(job.admit.prompt_token_ids)
         if job.schema is not None:
             valid, why = self._check_schema(job.schema, text)
             final.schema_valid = valid

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from gateway.client import add_connection_args
+from gateway.commands import add_connection_args
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
 from protos.rpc import CHANNEL_OPTIONS
 

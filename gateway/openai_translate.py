@@ -443,7 +443,10 @@ def chat_plan(body: dict, limits: Limits) -> Plan:
     plan, n, sampling, spec = _common(body, "chat", limits)
     base = gateway_pb2.GenerateRequest(model=_model(body), messages=_messages(body),
                                        sampling=sampling, constraint=spec)
-    plan.params.update({"prompt": "messages", "messages": "messages"})
+    tools = body.get("tools")
+    if tools:  # already checked by _constraint; the chat template renders them
+        base.tools_json = json.dumps(tools, ensure_ascii=False)
+    plan.params.update({"prompt": "messages", "messages": "messages", "tools_json": "tools"})
     _fan_out(plan, base, n, 0)
     return plan
 

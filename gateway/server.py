@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry
 
-from gateway.chat import ChatTemplate
+from gateway.chat import chat_prompt_ids, parse_tools
 from gateway.config import GatewayConfig, add_gateway_args
 from gateway.generation import Job, Runner, service_error
 from gateway.metrics import GatewayMetrics
@@ -75,12 +75,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                               max_request_bytes=config.max_request_bytes)
         self._grammar_channel = aio_channel(config.grammar_service, tls_ca=config.ca_bytes())
         self._grammar = grammar_pb2_grpc.GrammarServiceStub(self._grammar_channel)
-        self._chat = None
-        if vocab.chat_template:
-            def token(i):
-                return vocab.tokenizer.id_to_token(i) if i is not None else ""
-            self._chat = ChatTemplate(vocab.chat_template, bos_token=token(vocab.bos_token_id),
-                                      eos_token=token(vocab.eos_token_ids[0]))
 
     # -- rpcs -----------------------------------------------------------------------------
 
@@ -160,7 +154,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         validate_request(request, self._limits)
         self._check_model(request.model)
         if len(request.prompt) + sum(len(m.content) for m in request.messages) \
-                > _INLINE_TOKENIZE_CHARS:
+                + len(request.tools_json) > _INLINE_TOKENIZE_CHARS:
             prompt_ids = await asyncio.to_thread(self._tokenize, request)
         else:
             prompt_ids = self._tokenize(request)
@@ -189,7 +183,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             admit.grammar.CopyFrom(request.constraint)
         return Job(admit=admit, request_id=request_id, kind=kind, stops=stops, include_stop=include_stop,
                    schema=request.constraint.json_schema if kind == "json_schema" else None,
-                   arrived=arrived, compile_seconds=compile_seconds, deadline=deadline)
+                   arrived=arrived, compile_seconds=compile_seconds, deadline=deadline,
+                   echo_prompt=request.echo_prompt_token_ids)
 
     def _check_model(self, model: str) -> None:
         if model and model != self._model_id:
@@ -200,11 +195,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
         if request.messages:
-            if self._chat is None:
-                raise InvalidArgument("the model has no chat template; send `prompt` instead",
-                                      field="messages")
-            text = self._chat.render([(m.role, m.content) for m in request.messages])
-            return self._vocab.encode(text, add_special_tokens=False)
+            return chat_prompt_ids(self._vocab, request.messages, parse_tools(request.tools_json))
         return self._vocab.encode(request.prompt, add_special_tokens=True)
 
     def _check_length(self, prompt_ids: list[int]) -> None:
@@ -277,7 +268,10 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
     monitor = HealthMonitor(router, clients, vocab.fingerprint, config.health_interval)
     runner = Runner(router, clients, vocab.token_bytes, metrics, monitor.poke,
                     check_output_against_schema)
-    servicer = GatewayServicer(config, vocab, Path(model_dir).name, router, runner, metrics)
+    # A model named by Hugging Face repo id is served under that id, not its snapshot's hash.
+    model_id = config.model if config.model and model_dir.parent.name == "snapshots" \
+        else Path(model_dir).name
+    servicer = GatewayServicer(config, vocab, model_id, router, runner, metrics)
     if config.http_port >= 0:  # bound before gRPC health can say SERVING
         app = create_app(servicer, config.max_request_bytes)
         http_server, http_task, gateway.http_port = await start_http(

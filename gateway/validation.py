@@ -61,6 +61,9 @@ def _validate_prompt(req: gateway_pb2.GenerateRequest, limits: Limits) -> None:
             raise InvalidArgument(
                 f"token id {tok} is outside the vocabulary (size {limits.vocab_size})",
                 field=f"prompt_token_ids[{i}]")
+    if req.tools_json and not req.messages:
+        raise InvalidArgument("only with `messages` (tools are rendered by the chat template)",
+                              field="tools_json")
     if len(req.messages) > limits.max_messages:
         raise InvalidArgument(f"at most {limits.max_messages} messages", field="messages")
     for i, msg in enumerate(req.messages):

@@ -407,7 +407,7 @@ class VocabView:
     @classmethod
     def of(cls, vocab) -> VocabView:
         """The view of a grammar_service.vocab.Vocab."""
-        return cls(vocab.tokenizer_info().serialize_json(), vocab.tokenizer.to_str(),
+        return cls(vocab.tokenizer_info().serialize_json(), vocab.tokenizer_json(),
                    vocab.model_vocab_size, tuple(vocab.eos_token_ids))
 
     def backends(self, threads: int = 1) -> dict[str, Backend]:

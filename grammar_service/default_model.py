@@ -96,18 +96,42 @@ def resolve_model(model: str | None) -> Path:
     """The checkpoint directory for a `--model` value.
 
     None, "" or DEFAULT_MODEL_NAME mean the embedded default model (generated on first use);
-    anything else must be a directory holding config.json and tokenizer.json. Raises
-    ValueError naming the path and what is missing.
+    a directory is used as it is; anything else of the form `owner/name` is a Hugging Face
+    repo id, resolved to its snapshot in the local Hugging Face cache (`HF_HUB_CACHE`, else
+    huggingface_hub's default; never downloaded). The directory must hold config.json and
+    tokenizer.json. Raises ValueError naming the path or repo and what is missing.
     """
     if not model or model == DEFAULT_MODEL_NAME:
         return ensure_default_model()
     path = Path(model).expanduser()
+    if not path.is_dir() and _looks_like_repo_id(model):
+        path = _from_hf_cache(model)
     if not path.is_dir():
         raise ValueError(f"model: {model!r} is not a directory")
     missing = [n for n in ("config.json", "tokenizer.json") if not (path / n).is_file()]
     if missing:
         raise ValueError(f"model: {model!r} lacks {', '.join(missing)}")
     return path
+
+
+def _looks_like_repo_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    """The snapshot directory of `repo_id` in the local Hugging Face cache (its `main` ref).
+    Raises ValueError when the repo is not cached."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True,
+                                      cache_dir=os.environ.get("HF_HUB_CACHE") or None))
+    except (LocalEntryNotFoundError, ValueError, OSError) as exc:
+        raise ValueError(f"model: {repo_id!r} is neither a directory nor a Hugging Face repo "
+                         f"in the local cache (download it first, e.g. `hf download "
+                         f"{repo_id}`): {exc}") from None
 
 
 def write_default_model(out_dir: Path) -> None:

@@ -16,7 +16,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "sampling", "constraint", "request_id")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "sampling", "constraint", "request_id", "tools_json", "echo_prompt_token_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ECHO_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -31,7 +33,9 @@ class GenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     constraint: _common_pb2.GrammarSpec
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tools_json: str
+    echo_prompt_token_ids: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ..., request_id: _Optional[str] = ..., tools_json: _Optional[str] = ..., echo_prompt_token_ids: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "final")
@@ -62,7 +66,7 @@ class Timings(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., compile_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "message", "text", "usage", "timings", "schema_valid", "schema_error", "request_id", "seed")
+    __slots__ = ("finish_reason", "message", "text", "usage", "timings", "schema_valid", "schema_error", "request_id", "seed", "prompt_token_ids")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +76,7 @@ class Final(_message.Message):
     SCHEMA_ERROR_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     message: str
     text: str
@@ -81,7 +86,8 @@ class Final(_message.Message):
     schema_error: str
     request_id: str
     seed: int
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., message: _Optional[str] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., schema_valid: _Optional[bool] = ..., schema_error: _Optional[str] = ..., request_id: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., message: _Optional[str] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., schema_valid: _Optional[bool] = ..., schema_error: _Optional[str] = ..., request_id: _Optional[str] = ..., seed: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompileGrammarRequest(_message.Message):
     __slots__ = ("constraint", "model")

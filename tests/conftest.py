@@ -27,13 +27,14 @@ MAX_MODEL_LEN = 256
 class RealSystem:
     """Grammar service + one group of `tp` worker ranks + gateways, all real processes."""
 
-    def __init__(self, log_dir: Path, tp: int = 2, slots: int = 8):
+    def __init__(self, log_dir: Path, tp: int = 2, slots: int = 8, model: str | None = None):
         self.log_dir = log_dir
         self.children: list[Child] = []
+        self._model = ("--model", model) if model else ()  # default: the embedded model
         self.grammar = f"127.0.0.1:{free_port()}"
         self._spawn("grammar", ["grammar_service", "--host", "127.0.0.1",
                                 "--port", self.grammar.rsplit(":", 1)[1],
-                                "--metrics-port", "-1", "--compile-workers", "1"])
+                                "--metrics-port", "-1", "--compile-workers", "1", *self._model])
         dist = free_port()
         self.ranks, self.rank_metrics, self.rank_procs = [], [], []
         for r in range(tp):
@@ -45,7 +46,7 @@ class RealSystem:
                 "--dist-addr", f"127.0.0.1:{dist}", "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", str(mport), "--grammar-service", self.grammar,
                 "--device", "cpu", "--slots", str(slots), "--max-model-len", str(MAX_MODEL_LEN),
-                "--torch-threads", "1"]))
+                "--torch-threads", "1", *self._model]))
         self.gateways: list[str] = []
         self.gateway_metrics: list[str] = []
 
@@ -66,7 +67,8 @@ class RealSystem:
         self._spawn(f"gateway{len(self.gateways)}", [
             "gateway", "--host", "127.0.0.1", "--port", addr.rsplit(":", 1)[1],
             "--grammar-service", self.grammar, "--group", ",".join(group or self.ranks),
-            "--metrics-port", str(mport), "--health-interval", "0.5", *http, *extra])
+            "--metrics-port", str(mport), "--health-interval", "0.5", *http, *self._model,
+            *extra])
         self.gateways.append(addr)
         self.gateway_metrics.append(f"http://127.0.0.1:{mport}/metrics")
         return addr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -27,9 +28,10 @@ from grammar_service.vocab import load_vocab
 REPO = Path(__file__).resolve().parents[1]
 
 # Pinned so that any change to the generated model is noticed; when the change is meant,
-# bump DEFAULT_MODEL_VERSION and update both.
+# bump DEFAULT_MODEL_VERSION and update both. (The fingerprint also changes when its
+# definition does: it hashes xgrammar's serialized TokenizerInfo, see grammar_service/vocab.py.)
 MODEL_SAFETENSORS_SHA256 = "c466301d62da6e44d42f82602ba942c2f76512bc857d9d87b79bbbb09a6a8eea"
-VOCAB_FINGERPRINT = "231d46f74dbddfdf1f5b8db75b0e1fd18241bfb38fbcde2b9436eb2028f069bd"
+VOCAB_FINGERPRINT = "f5a2a2146fd11b19d9180b4b50585378f71a74ee1f86e5b208c0392b4abf47ce"
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +164,26 @@ def test_resolve_model_default_and_bad_paths(monkeypatch, tmp_path, model_dir):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="tokenizer.json"):
         resolve_model(str(tmp_path))
+
+
+def _fake_hf_cache(root: Path, repo_id: str, model_dir: Path) -> Path:
+    """The layout huggingface_hub writes: models--owner--name/{refs/main, snapshots/<commit>}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot)
+    return snapshot
+
+
+def test_model_given_as_repo_id_resolves_from_the_local_hf_cache(model_dir, tmp_path,
+                                                                  monkeypatch):
+    snapshot = _fake_hf_cache(tmp_path / "hub", "acme/tiny-llama", model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
+    assert default_model.resolve_model("acme/tiny-llama") == snapshot
+    assert load_vocab(snapshot).fingerprint == VOCAB_FINGERPRINT
+    with pytest.raises(ValueError, match="'acme/absent' is neither a directory nor a Hugging "
+                                         "Face repo in the local cache"):
+        default_model.resolve_model("acme/absent")

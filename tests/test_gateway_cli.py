@@ -6,7 +6,7 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway import cli, client, launcher, loadgen
+from gateway import cli, commands, launcher, loadgen
 from gateway.config import GatewayConfig, add_gateway_args, parse_groups
 from gateway.metrics import GatewayMetrics
 
@@ -61,12 +61,12 @@ def test_generate_constraint_flags_build_the_spec(tmp_path):
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object"}')
     p = argparse.ArgumentParser()
-    client.generate_parser(p)
-    spec = client.constraint_from_args(p.parse_args(["--json-schema", str(schema), "x"]))
+    commands.generate_parser(p)
+    spec = commands.constraint_from_args(p.parse_args(["--json-schema", str(schema), "x"]))
     assert spec.json_schema == '{"type": "object"}'
-    spec = client.constraint_from_args(p.parse_args(["--choice", "a", "--choice", "b", "x"]))
+    spec = commands.constraint_from_args(p.parse_args(["--choice", "a", "--choice", "b", "x"]))
     assert list(spec.choice.choices) == ["a", "b"]
-    spec = client.constraint_from_args(p.parse_args(["--whitespace", "compact", "--json-object", "x"]))
+    spec = commands.constraint_from_args(p.parse_args(["--whitespace", "compact", "--json-object", "x"]))
     assert spec.WhichOneof("kind") == "json_object" and spec.options.whitespace == 1
     with pytest.raises(SystemExit):
         p.parse_args(["--regex", "a", "--json-object", "x"])

@@ -54,10 +54,19 @@ def _weights(config: ModelConfig) -> dict[str, torch.Tensor]:
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
      "rope_scaling.low_freq_factor"),
     ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.375}, "partial_rotary_factor"),
 ])
 def test_model_config_error_names_the_bad_key(tmp_path, overrides, named):
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         ModelConfig.from_dir(_write(tmp_path, **overrides))
+
+
+def test_unsupported_architecture_is_refused_by_name(tmp_path):
+    model_dir = _write(tmp_path, model_type="gemma2", architectures=["Gemma2ForCausalLM"])
+    with pytest.raises(ValueError, match=r"architecture Gemma2ForCausalLM \(model_type 'gemma2'\)"
+                                         r" is not supported .*Qwen3ForCausalLM"):
+        load_model(model_dir, CPU, torch.float32, "cpu")
 
 
 def test_model_config_missing_or_broken_file_is_named(tmp_path):
@@ -79,6 +88,11 @@ def test_model_config_reads_both_rope_layouts_alike(tmp_path):
     qwen = ModelConfig.from_dir(_write(tmp_path, model_type="qwen2"))
     assert qwen.attention_bias and qwen.rope_scaling is None and qwen.head_dim == 8
     assert qwen.sliding_window is None
+    qwen3 = ModelConfig.from_dir(_write(tmp_path, model_type="qwen3", head_dim=16))
+    assert qwen3.qk_norm and not qwen3.attention_bias and qwen3.head_dim == 16
+    phi3 = ModelConfig.from_dir(_write(tmp_path, model_type="phi3", sliding_window=8,
+                                       partial_rotary_factor=0.5))
+    assert phi3.fused_projections and phi3.sliding_window == 8 and phi3.rotary_dim == 4
 
 
 def test_model_check_tp_rejects_heads_that_do_not_shard():

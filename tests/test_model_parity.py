@@ -28,6 +28,15 @@ CONFIGS = {
     "llama_rope_llama3": ("Llama", dict(num_key_value_heads=2, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=16)), {}),
+    # q/k RMSNorm per head before RoPE; head_dim (32) is not hidden_size / heads (16).
+    "qwen3_qk_norm_head_dim": ("Qwen3", dict(num_key_value_heads=2, head_dim=32,
+                                             tie_word_embeddings=True), {}),
+    # Fused qkv_proj / gate_up_proj in the checkpoint, a sliding window, half-rotary heads.
+    "phi3_fused_window_partial_rope": ("Phi3", dict(
+        num_key_value_heads=2, sliding_window=6, pad_token_id=0,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+        {}),
+    "phi3_mha": ("Phi3", dict(num_key_value_heads=4, pad_token_id=0), {}),
     # Saved in several files, so the sharded index path is exercised too.
     "qwen2_rope_yarn_sharded": ("Qwen2", dict(num_key_value_heads=2, rope_scaling=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),

@@ -1,9 +1,12 @@
 """The model's two attention paths agree: one slot_attention launch per layer over every new
 token of a mixed step (the CUDA path, graph-capturable; here the Triton kernel under the
-interpreter) against SDPA per prefill chunk plus one batched decode call (the CPU path)."""
+interpreter) against SDPA per prefill chunk plus one batched decode call (the CPU path), for
+the default model and for the families whose attention differs (Qwen3's q/k norms and wide
+heads, Phi-3's fused projections, sliding window and partial rotary)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpu_worker.runtime.loader import load_model
@@ -12,8 +15,29 @@ from gpu_worker.runtime.parallel import TPGroup
 from grammar_service.default_model import ensure_default_model
 
 
-def test_mixed_step_logits_equal_with_slot_attention_and_sdpa(tmp_path):
-    model_dir = ensure_default_model(tmp_path / "models")
+def _transformers_checkpoint(path, family: str, **kwargs):
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=256, initializer_range=0.2, **kwargs)
+    torch.manual_seed(0)
+    getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(path)
+    return path
+
+
+CHECKPOINTS = {
+    "default": lambda tmp: ensure_default_model(tmp / "models"),
+    "qwen3": lambda tmp: _transformers_checkpoint(tmp / "qwen3", "Qwen3", head_dim=32),
+    "phi3": lambda tmp: _transformers_checkpoint(
+        tmp / "phi3", "Phi3", sliding_window=4, pad_token_id=0, rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+}
+
+
+@pytest.mark.parametrize("family", list(CHECKPOINTS))
+def test_mixed_step_logits_equal_with_slot_attention_and_sdpa(tmp_path, family):
+    model_dir = CHECKPOINTS[family](tmp_path)
     device = torch.device("cpu")
     results = []
     for slot_attention in (False, True):

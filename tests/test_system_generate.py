@@ -16,7 +16,6 @@ import pytest
 from conftest import MAX_MODEL_LEN, metric
 from constraints import CHOICES, REGEX, SCHEMAS, is_valid
 
-from gateway.chat import ChatTemplate
 from grammar_service.default_model import resolve_model
 from grammar_service.vocab import load_vocab
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -135,8 +134,9 @@ def test_chat_messages_use_the_template(stub):
     msgs = [gateway_pb2.ChatMessage(role="system", content="be brief"),
             gateway_pb2.ChatMessage(role="user", content="hi")]
     _, final = generate(stub, prompt=None, messages=msgs, sampling={"max_tokens": 8})
-    rendered = ChatTemplate(vocab.chat_template, bos_token="<|begin_of_text|>").render(
-        [("system", "be brief"), ("user", "hi")])
+    rendered = vocab.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        add_generation_prompt=True, tokenize=False)
     assert "<|im_start|>assistant" in rendered
     assert final.usage.prompt_tokens == len(vocab.encode(rendered, add_special_tokens=False))
 

@@ -3,7 +3,9 @@
 Each rank opens the files with `safe_open` and reads only its own rows/columns through
 `get_slice`, so a rank never materialises another rank's shard. Single-file
 (`model.safetensors`) and sharded (`model.safetensors.index.json`) checkpoints both load; a
-tied checkpoint may omit `lm_head.weight`.
+tied checkpoint may omit `lm_head.weight`. Phi-3 checkpoints store q/k/v as one `qkv_proj` and
+gate/up as one `gate_up_proj`; each part is read as a row range of the fused tensor, so the
+model's layers load the same way for every family.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from safetensors import safe_open
 
 from gpu_worker.runtime.model import Transformer
 from gpu_worker.runtime.model_config import ModelConfig
-from gpu_worker.runtime.parallel import TensorSlice, TPGroup
+from gpu_worker.runtime.parallel import ColumnParallelLinear, TensorSlice, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -94,19 +96,61 @@ def _loaders(model: Transformer) -> Iterator[tuple[str, Loader]]:
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
         attn, mlp = layer.attn, layer.mlp
-        for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-            yield (f"{prefix}self_attn.{proj}.weight",
-                   lambda s, n, p=part, q=attn.qkv: q.load_(s, p, name=n))
-            if config.attention_bias:
-                yield (f"{prefix}self_attn.{proj}.bias",
-                       lambda s, n, p=part, q=attn.qkv: q.load_bias_(s, p, name=n))
+        if config.fused_projections:
+            yield (f"{prefix}self_attn.qkv_proj.weight", _fused(attn.qkv))
+            yield f"{prefix}mlp.gate_up_proj.weight", _fused(mlp.gate_up)
+        else:
+            for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                yield (f"{prefix}self_attn.{proj}.weight",
+                       lambda s, n, p=part, q=attn.qkv: q.load_(s, p, name=n))
+                if config.attention_bias:
+                    yield (f"{prefix}self_attn.{proj}.bias",
+                           lambda s, n, p=part, q=attn.qkv: q.load_bias_(s, p, name=n))
+            for part, proj in enumerate(("gate_proj", "up_proj")):
+                yield (f"{prefix}mlp.{proj}.weight",
+                       lambda s, n, p=part, m=mlp: m.gate_up.load_(s, p, name=n))
         yield f"{prefix}self_attn.o_proj.weight", lambda s, n, o=attn.o: o.load_(s, name=n)
-        for part, proj in enumerate(("gate_proj", "up_proj")):
-            yield (f"{prefix}mlp.{proj}.weight",
-                   lambda s, n, p=part, m=mlp: m.gate_up.load_(s, p, name=n))
+        if config.qk_norm:
+            yield f"{prefix}self_attn.q_norm.weight", _replicated(attn.q_norm.weight)
+            yield f"{prefix}self_attn.k_norm.weight", _replicated(attn.k_norm.weight)
         yield f"{prefix}mlp.down_proj.weight", lambda s, n, m=mlp: m.down.load_(s, name=n)
         yield f"{prefix}input_layernorm.weight", _replicated(layer.input_norm.weight)
         yield f"{prefix}post_attention_layernorm.weight", _replicated(layer.post_attn_norm.weight)
+
+
+class _Rows:
+    """Rows [start, end) of a checkpoint tensor, as a TensorSlice of their own (one part of
+    a fused projection). Indexing reads only the rows asked for."""
+
+    def __init__(self, src: TensorSlice, start: int, end: int):
+        self.src, self.start, self.end = src, start, end
+
+    def get_shape(self) -> list[int]:
+        return [self.end - self.start, *self.src.get_shape()[1:]]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        lo, hi, step = rows.indices(self.end - self.start)
+        assert step == 1, "fused parts are read in contiguous row ranges"
+        return self.src[(slice(self.start + lo, self.start + hi), *rest)]
+
+
+def _fused(layer: ColumnParallelLinear) -> Loader:
+    """A loader splitting a fused checkpoint weight (parts stacked along rows, in the order
+    of `layer.output_sizes`) into the layer's parts."""
+
+    def load(src: TensorSlice, name: str) -> None:
+        total = sum(layer.output_sizes)
+        shape = tuple(src.get_shape())
+        if shape != (total, layer.in_features):
+            raise ValueError(f"{name}: checkpoint tensor has shape {shape}, "
+                             f"expected {(total, layer.in_features)}")
+        start = 0
+        for part, size in enumerate(layer.output_sizes):
+            layer.load_(_Rows(src, start, start + size), part, name=f"{name}[part {part}]")
+            start += size
+
+    return load
 
 
 def _replicated(param: torch.Tensor) -> Loader:

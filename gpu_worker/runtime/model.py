@@ -1,4 +1,4 @@
-"""The decoder (Llama / Qwen2 / Mistral family) with a per-slot KV cache.
+"""The decoder (Llama / Qwen2 / Qwen3 / Mistral / Phi-3 families) with a per-slot KV cache.
 
 One `forward` is one engine step over S sequences. Sequence i writes the K/V of its new tokens
 into slot `slots[i]` at positions `starts[i] .. starts[i] + lens[i] - 1` and attends causally
@@ -136,7 +136,7 @@ def rope_inv_freq(config: ModelConfig) -> tuple[Tensor, float]:
     """(inv_freq (head_dim/2,) float32, attention factor) for the config's RoPE type, with
     the formulas transformers uses. `dynamic` equals plain RoPE up to
     max_position_embeddings, which is as far as a cache of this model may grow."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # (dim/2,)
     base_freq = 1.0 / (config.rope_theta ** exponent)
     params = config.rope_scaling
@@ -169,7 +169,7 @@ def _llama3_inv_freq(inv_freq: Tensor, params: dict) -> Tensor:
 def _yarn_inv_freq(config: ModelConfig, params: dict) -> tuple[Tensor, float]:
     # YaRN: interpolate the low-frequency dims, extrapolate the high ones, ramp in between;
     # cos/sin are scaled by an attention factor that grows with log(factor).
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim, config.rope_theta
     factor = float(params["factor"])
     old_len = float(params["original_max_position_embeddings"])
 
@@ -202,8 +202,12 @@ def _yarn_inv_freq(config: ModelConfig, params: dict) -> tuple[Tensor, float]:
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (N, heads, head_dim); cos/sin: (N, 1, head_dim); halves rotated as transformers does
-    half = x.shape[-1] // 2
+    # x: (N, heads, head_dim); cos/sin: (N, 1, rotary_dim); halves of the first rotary_dim
+    # dims rotated as transformers does, the rest (partial rotary) passed through
+    dim = cos.shape[-1]
+    if dim != x.shape[-1]:
+        return torch.cat((_rotate(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+    half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -246,13 +250,19 @@ class Attention(nn.Module):
             config.hidden_size, [config.num_heads * hd, config.num_kv_heads * hd,
                                  config.num_kv_heads * hd], tp, config.attention_bias, dtype)
         self.o = RowParallelLinear(config.num_heads * hd, config.hidden_size, tp, dtype)
+        # Qwen3: one RMSNorm over head_dim shared by every query (key) head, before RoPE
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype, tp.device) if config.qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype, tp.device) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch,
                 masks: _StepMasks, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         n, hd = x.shape[0], self.head_dim
         q, k, v = self.qkv(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
-        q = _rotate(q.view(n, self.heads, hd), cos, sin)  # (N, H, hd)
-        k = _rotate(k.view(n, self.kv_heads, hd), cos, sin)  # (N, KV, hd)
+        q, k = q.view(n, self.heads, hd), k.view(n, self.kv_heads, hd)  # (N, H|KV, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = _rotate(q, cos, sin)  # (N, H, hd)
+        k = _rotate(k, cos, sin)  # (N, KV, hd)
         # Write this step's K/V first, so every sequence then reads its whole context from
         # the cache. k_cache: (slots, max_len, KV, hd)
         index = (batch.token_slots, batch.positions)
@@ -394,10 +404,10 @@ class Transformer(nn.Module):
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq  # (N, hd/2), float32
-        emb = torch.cat((freqs, freqs), dim=-1)  # (N, hd)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (N, rotary_dim)
         cos = (emb.cos() * self.rope_attention_factor).to(self.dtype)
         sin = (emb.sin() * self.rope_attention_factor).to(self.dtype)
-        return cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, hd): broadcast over heads
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, rotary_dim): broadcast over heads
 
     def _masks(self, batch: ForwardBatch) -> _StepMasks:
         window = self.config.sliding_window

@@ -1,12 +1,17 @@
 """The decoder's shape, parsed from a Hugging Face checkpoint's config.json (plain Python, no torch).
 
-Accepts the Llama, Qwen2 and Mistral families, in both config layouts transformers writes:
+Accepts the Llama, Qwen2, Qwen3 (dense), Mistral and Phi-3 families, in both config layouts
+transformers writes:
 the older top-level `rope_theta` + `rope_scaling`, and the newer `rope_parameters` that carries
 `rope_theta` inside it. Everything the runtime cannot honour is refused here, with the key named,
 so a checkpoint never loads into a model that silently computes something else.
 
-Sliding window: honoured for Mistral (every layer attends to the last `sliding_window`
-positions, as transformers does); Qwen2's `use_sliding_window: true` is refused.
+What differs between the families, as flags the model reads (never the family name):
+Qwen2 has a bias on q/k/v; Qwen3 normalises each query and key head (RMSNorm over head_dim)
+before RoPE; Phi-3 stores q/k/v and gate/up fused in the checkpoint and may rotate only part
+of each head (`partial_rotary_factor`). Sliding window: honoured for Mistral and Phi-3 (every
+layer attends to the last `sliding_window` positions, as transformers does); Qwen2's and
+Qwen3's `use_sliding_window: true` is refused.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+             "phi3": "phi3"}
 _ARCHITECTURES = {
-    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
 }
+_WINDOWED = ("mistral", "phi3")  # families whose every layer honours `sliding_window`
 # Keys each RoPE type needs beyond `rope_type` (see gpu_worker/runtime/model.py for the formulas).
 ROPE_TYPES = {
     "default": (),
@@ -48,8 +56,11 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v (always on for Qwen2)
-    sliding_window: int | None  # Mistral: attend to the last N positions only
+    sliding_window: int | None  # Mistral, Phi-3: attend to the last N positions only
     torch_dtype: str | None
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on every query and key head, before RoPE
+    fused_projections: bool = False  # Phi-3: checkpoint holds qkv_proj and gate_up_proj
+    rotary_dim: int | None = None  # leading dims of a head that RoPE rotates; None: head_dim
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -69,6 +80,11 @@ class ModelConfig:
             raise ValueError(f"config.json: sliding_window must be positive, got {self.sliding_window}")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"config.json: partial_rotary_factor gives {self.rotary_dim} "
+                             f"rotary dims, which must be even and in (0, {self.head_dim}]")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -76,8 +92,8 @@ class ModelConfig:
 
         Raises ValueError naming the file or key when the file is missing or unreadable, a
         required key is absent or has the wrong type, or the checkpoint uses something this
-        runtime does not implement (another family, activation, RoPE type, MLP bias, Qwen2
-        sliding window).
+        runtime does not implement (another architecture, named; activation, RoPE type, MLP
+        bias, Qwen2/Qwen3 sliding window).
         """
         path = Path(model_dir) / "config.json"
         try:
@@ -99,8 +115,8 @@ class ModelConfig:
             raise ValueError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
         if raw.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias true is not supported")
-        if family == "qwen2" and raw.get("use_sliding_window"):
-            raise ValueError("config.json: use_sliding_window true is not supported for qwen2")
+        if family in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+            raise ValueError(f"config.json: use_sliding_window true is not supported for {family}")
         hidden = _req(raw, "hidden_size", int)
         heads = _req(raw, "num_attention_heads", int)
         head_dim = raw.get("head_dim")
@@ -109,8 +125,8 @@ class ModelConfig:
                 raise ValueError("config.json: head_dim is absent and hidden_size is not a "
                                  "multiple of num_attention_heads")
             head_dim = hidden // heads
-        rope_theta, rope_scaling = _rope(raw)
-        window = raw.get("sliding_window") if family == "mistral" else None
+        rope_theta, rope_scaling, partial = _rope(raw)
+        window = raw.get("sliding_window") if family in _WINDOWED else None
         return cls(
             family=family,
             vocab_size=_req(raw, "vocab_size", int),
@@ -128,6 +144,9 @@ class ModelConfig:
             attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
             sliding_window=None if window is None else _checked("sliding_window", window, int),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            qk_norm=family == "qwen3",
+            fused_projections=family == "phi3",
+            rotary_dim=int(_checked("head_dim", head_dim, int) * partial),
         )
 
     def check_tp(self, tp_size: int) -> None:
@@ -146,15 +165,19 @@ def _family(raw: dict[str, Any]) -> str:
     model_type = raw.get("model_type")
     if model_type in _FAMILIES:
         return _FAMILIES[model_type]
-    for arch in raw.get("architectures") or ():
+    architectures = raw.get("architectures") or ()
+    for arch in architectures:
         if arch in _ARCHITECTURES:
             return _ARCHITECTURES[arch]
-    raise ValueError(f"config.json: model_type {model_type!r} is not supported "
-                     f"(supported: {', '.join(sorted(_FAMILIES))})")
+    named = f"architecture {', '.join(map(str, architectures))} (model_type {model_type!r})" \
+        if architectures else f"model_type {model_type!r}"
+    raise ValueError(f"config.json: {named} is not supported (supported architectures: "
+                     f"{', '.join(sorted(_ARCHITECTURES))})")
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, normalised scaling dict or None) from either config layout."""
+def _rope(raw: dict[str, Any]) -> tuple[float, dict | None, float]:
+    """(rope_theta, normalised scaling dict or None, partial_rotary_factor) from either
+    config layout."""
     params = raw.get("rope_parameters")
     key = "rope_parameters"
     if not params:
@@ -166,17 +189,21 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict | None]:
     if theta is None:
         theta = raw.get("rope_theta", 10000.0)
     theta = float(_checked("rope_theta", theta, (int, float)))
+    partial = params.pop("partial_rotary_factor", None)
+    if partial is None:
+        partial = raw.get("partial_rotary_factor", 1.0)
+    partial = float(_checked("partial_rotary_factor", partial, (int, float)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
     params["rope_type"] = rope_type
     if rope_type in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings",
                           raw.get("original_max_position_embeddings",
                                   raw.get("max_position_embeddings", 2048)))
     _check_rope_scaling(params)
-    return theta, params
+    return theta, params, partial
 
 
 def _check_rope_scaling(params: dict) -> None:
