@@ -23,7 +23,8 @@ def test_kernel_matches_torch_path(n_cols):
     logits = torch.randn(6, n_cols, generator=gen) * 3
     logits[2, : n_cols // 2] = float("-inf")  # a masked row
     temps = [1.0, 0.7, 1.3, 0.0, 2.0, 0.5]
-    params = _batch(temps, [1, 2, 3, 4, 2**40 + 5, 6], [0, 1, 2, 3, 4, 5])
+    # 2**40 + 5 has high seed bits; -5 is the uint64 seed 2**64 - 5 as the int64 it travels as.
+    params = _batch(temps, [1, 2, 3, 4, 2**40 + 5, -5], [0, 1, 2, 3, 4, 2**33 + 5])
     expected, _ = sample(logits, params)  # CPU tensors: the PyTorch path
     got = gumbel_argmax(logits, params.temperature, params.seed, params.step)
     assert got.tolist() == expected.tolist()

@@ -183,6 +183,8 @@ class Engine:
         self.eos = frozenset(eos_token_ids)
         self.device = device
         self.metrics = metrics
+        # The labelled child, looked up once: a label lookup per token was 6 % of the step.
+        self._generated = metrics.tokens.labels(kind="generated") if metrics is not None else None
         self.on_fatal = on_fatal
         self.publish = publish
         self.runs: dict[int, Run] = {}
@@ -419,8 +421,8 @@ class Engine:
         r.generated.append(token)
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
-        if self.metrics is not None:
-            self.metrics.tokens.labels(kind="generated").inc()
+        if self._generated is not None:
+            self._generated.inc()
         ends = token in req.stop_token_ids or (
             token in self.eos and (req.matcher is not None or not req.ignore_eos))
         if not ends:

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.sampling.noise import row_keys
-
 _BLOCK = 4096
 
 
@@ -33,15 +31,19 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, row_stride, n_cols, key_ptr, temp_ptr, score_ptr,
-                          index_ptr, n_blocks, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, row_stride, n_cols, seed_ptr, step_ptr, temp_ptr,
+                          score_ptr, index_ptr, n_blocks, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     block = tl.program_id(1)
     cols = block * BLOCK + tl.arange(0, BLOCK)
     inside = cols < n_cols
     logit = tl.load(logits_ptr + row * row_stride + cols, mask=inside, other=float("-inf"))
     temperature = tl.load(temp_ptr + row)
-    key = tl.load(key_ptr + row)
+    # noise.row_keys(seed, step), here rather than as ~50 tiny PyTorch launches per step.
+    seed = tl.load(seed_ptr + row)
+    step = tl.load(step_ptr + row)
+    key = _mix32(_mix32(_mix32((seed & 0xFFFFFFFF) ^ 0x9E3779B9) ^ ((seed >> 32) & 0xFFFFFFFF))
+                 ^ (step & 0xFFFFFFFF))
     bits = _mix32(_mix32(key ^ cols.to(tl.int64)) ^ 0x5BD1E995)
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     gumbel = -tl.log(-tl.log(u))
@@ -67,7 +69,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.T
     index = torch.empty((n_rows, n_blocks), dtype=torch.int64, device=logits.device)
     if n_rows:
         _gumbel_argmax_kernel[(n_rows, n_blocks)](
-            logits, logits.stride(0), n_cols, row_keys(seed, step).contiguous(),
+            logits, logits.stride(0), n_cols, seed.contiguous(), step.contiguous(),
             temperature.contiguous(), score, index, n_blocks, BLOCK=_BLOCK, num_warps=8)
     # torch.argmax takes the first maximum, so ties keep the lowest token id.
     return index.gather(1, score.argmax(dim=1, keepdim=True)).squeeze(1)
