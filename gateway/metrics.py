@@ -43,6 +43,10 @@ class GatewayMetrics:
             "gramserve_gateway_grammar_length_finish_total",
             "Guided requests that ended on max_tokens (the symptom of whitespace loops).",
             registry=registry)
+        self.grammar_refs = Counter(
+            "gramserve_gateway_grammar_refs_total",
+            "Guided requests whose compiled-grammar key the gateway remembered (hit) or asked "
+            "the grammar service for (miss).", ["result"], registry=registry)
         self.healthy_groups = Gauge(
             "gramserve_gateway_healthy_groups", "Worker groups currently taking requests.",
             registry=registry)

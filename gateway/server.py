@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from gateway.chat import chat_prompt_ids, parse_tools
 from gateway.config import GatewayConfig, add_gateway_args
 from gateway.generation import Job, Runner, service_error
+from gateway.grammar_refs import GrammarRefs
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import create_app, start_http, stop_http
 from gateway.router import GroupState, Router
@@ -75,6 +76,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                               max_request_bytes=config.max_request_bytes)
         self._grammar_channel = aio_channel(config.grammar_service, tls_ca=config.ca_bytes())
         self._grammar = grammar_pb2_grpc.GrammarServiceStub(self._grammar_channel)
+        self._refs = GrammarRefs()
 
     # -- rpcs -----------------------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         compile_seconds = 0.0
         if kind != "none":
             t0 = time.monotonic()
-            ref = await self._compile(request.constraint, remaining)
+            ref = await self._compiled(request.constraint, remaining)
             compile_seconds = ref.compile_seconds if ref.cached else time.monotonic() - t0
             admit.grammar_key = ref.key
             admit.grammar_backend = ref.backend
@@ -204,6 +206,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidArgument(
                 f"the prompt is {len(prompt_ids)} tokens; the context holds {min(known)} "
                 "(prompt plus at least one generated token)", field="prompt")
+
+    async def _compiled(self, spec, remaining: float | None) -> grammar_pb2.GrammarRef:
+        """The GrammarRef of `spec`: remembered (no round trip), or compiled and remembered."""
+        blob = spec.SerializeToString(deterministic=True)
+        ref = self._refs.get(blob)
+        self._metrics.grammar_refs.labels("hit" if ref is not None else "miss").inc()
+        if ref is None:
+            ref = await self._compile(spec, remaining)
+            remembered = grammar_pb2.GrammarRef()
+            remembered.CopyFrom(ref)
+            remembered.cached = True
+            self._refs.put(blob, remembered)
+        return ref
 
     async def _compile(self, spec, remaining: float | None) -> grammar_pb2.GrammarRef:
         timeout = _COMPILE_TIMEOUT if remaining is None else min(remaining, _COMPILE_TIMEOUT)

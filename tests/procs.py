@@ -57,11 +57,14 @@ class Child:
         return self.log_path.read_bytes()[-n:].decode(errors="replace")
 
 
-def metric(url: str, name: str) -> float:
-    """Sum of the samples named `name` on a /metrics page."""
+def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of the samples named `name` on a /metrics page (those with every label in
+    `labels`, when given)."""
     body = urllib.request.urlopen(url, timeout=5).read().decode()
+    want = [f'{k}="{v}"' for k, v in (labels or {}).items()]
     return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith(name) and line[len(name)] in " {")
+               if line.startswith(name) and line[len(name)] in " {"
+               and all(w in line for w in want))
 
 
 def free_block(n: int) -> int:

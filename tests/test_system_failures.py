@@ -1,13 +1,16 @@
-"""A killed worker rank: its requests fail with UNAVAILABLE, the gateway stays up and says
-why, and new requests are refused with UNAVAILABLE instead of hanging. Own system: this
-module breaks it."""
+"""Faults: a killed grammar service leaves grammars the gateway already compiled serving; a
+killed worker rank fails its requests with UNAVAILABLE, the gateway stays up and says why,
+and new requests are refused with UNAVAILABLE instead of hanging. Own system: this module
+breaks it, in that order."""
 
+import json
 import signal
 import time
 
 import grpc
 import pytest
 from conftest import RealSystem
+from procs import metric
 
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
 from protos.rpc import channel, check_health
@@ -22,6 +25,32 @@ def system(tmp_path_factory):
         yield s
     finally:
         s.stop()
+
+
+def _guided(stub, schema: dict, seed: int):
+    return list(stub.Generate(gateway_pb2.GenerateRequest(
+        prompt="Give", constraint=common_pb2.GrammarSpec(json_schema=json.dumps(schema)),
+        sampling=common_pb2.SamplingParams(max_tokens=40, seed=seed)), timeout=120))
+
+
+def test_grammars_the_gateway_compiled_keep_serving_while_the_grammar_service_is_down(system):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    with channel(system.gateways[0]) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        assert _guided(stub, schema, 1)[-1].final.schema_valid
+        before = metric(system.gateway_metrics[0], "gramserve_gateway_grammar_refs_total",
+                        {"result": "hit"})
+        system.children[0].kill(signal.SIGKILL)  # the grammar service
+        # The gateway remembers the key; the ranks hold the grammar: no Compile, no Fetch.
+        final = _guided(stub, schema, 2)[-1].final
+        assert final.schema_valid and final.usage.completion_tokens > 0
+        assert metric(system.gateway_metrics[0], "gramserve_gateway_grammar_refs_total",
+                      {"result": "hit"}) == before + 1
+        with pytest.raises(grpc.RpcError) as info:  # a new schema needs the service
+            _guided(stub, {**schema, "title": "new"}, 3)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "grammar service" in info.value.details()
 
 
 def test_killed_rank_fails_its_requests_with_unavailable_and_gateway_stays_up(system):
