@@ -47,7 +47,11 @@ from typing import Protocol
 
 import xgrammar as xgr
 
-from grammar_service.schema_fixes import fix_schema, forbid_unlisted_properties
+from grammar_service.schema_fixes import (
+    fix_schema,
+    fix_schema_llguidance,
+    forbid_unlisted_properties,
+)
 
 XGRAMMAR = "xgrammar"
 LLGUIDANCE = "llguidance"
@@ -155,7 +159,8 @@ def _xgr_compile(compiler: xgr.GrammarCompiler, spec) -> xgr.CompiledGrammar:
             any_whitespace=not compact,
             separators=(",", ":") if compact else None,
             max_whitespace_cnt=opts.max_whitespace if opts.whitespace == "bounded" else None,
-            strict_mode=not opts.allow_unlisted_properties,
+            # strict_mode forbids properties the schema does not list (options.strict).
+            strict_mode=opts.strict,
         )
     if spec.kind == "regex":
         return compiler.compile_regex(spec.text)
@@ -244,9 +249,10 @@ def _llg_grammar(spec) -> str:
 
     opts = spec.options
     if spec.kind in ("json_schema", "json_object"):
-        schema = json.loads(spec.text) if spec.kind == "json_schema" else {"type": "object"}
-        if spec.kind == "json_schema" and not opts.allow_unlisted_properties:
-            # The option means the same on both backends: xgrammar's strict_mode.
+        schema = (fix_schema_llguidance(json.loads(spec.text)) if spec.kind == "json_schema"
+                  else {"type": "object"})
+        if spec.kind == "json_schema" and opts.strict:
+            # options.strict means the same on both backends: xgrammar's strict_mode.
             schema = forbid_unlisted_properties(schema)
         if opts.whitespace == "compact":
             ws = {"whitespace_flexible": False}

@@ -266,15 +266,49 @@ def test_llguidance_bounds_long_strings_without_the_rewrite_and_xgrammar_reports
     assert forced.unenforced == ("properties.s.maxLength",)
 
 
-def test_unlisted_properties_mean_the_same_on_both_backends(backends, ranks, vocab):
+def test_unlisted_properties_are_allowed_by_default_and_forbidden_by_strict_on_both_backends(
+        backends, ranks, vocab):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    closed = {**schema, "additionalProperties": False}
     extra = '{"a": 1, "b": 2}'
-    for allow in (False, True):
-        spec = schema_spec(schema, allow_unlisted_properties=allow)
+    for strict in (False, True):
         for name in (XGRAMMAR, LLGUIDANCE):
-            m = round_trip(backends, ranks, spec, name)
+            m = round_trip(backends, ranks, schema_spec(schema, strict=strict), name)
             assert accepts(m, vocab, '{"a": 1}')
-            assert accepts(m, vocab, extra) == allow, (name, allow)
+            assert accepts(m, vocab, extra) == (not strict), (name, strict)
+            m = round_trip(backends, ranks, schema_spec(closed, strict=strict), name)
+            assert not accepts(m, vocab, extra), (name, strict)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "maxLength": 6}, {"type": "string", "pattern": "^a.*b$"},
+    {"type": "string", "minLength": 1, "maxLength": 8192}])
+def test_json_escapes_are_accepted_inside_bounded_and_pattern_strings_by_default(
+        backends, ranks, vocab, schema):
+    # llguidance enforces bounds and patterns on the decoded string; xgrammar refuses escapes
+    # in such strings, so the default path must not choose it for them.
+    compiled = compile_spec(schema_spec(schema), backends)
+    assert compiled.backend == LLGUIDANCE
+    rank = ranks[LLGUIDANCE]
+    m = rank.new_matcher(rank.deserialize(compiled.payload))
+    for text in ('"a\\"b"', '"a\\\\b"', '"a\\tb"'):
+        assert valid(schema, json.loads(text)) and accepts(m, vocab, text), text
+    assert not accepts(m, vocab, '"a\tb"')  # a raw control character is not JSON
+
+
+@pytest.mark.parametrize("fmt,good,bad", [
+    ("date", "2024-02-29", "2023-02-29"), ("date", "2000-02-29", "1900-02-29"),
+    ("time", "23:59:60Z", "22:59:60Z"), ("date-time", "2024-02-29T10:00:00Z",
+                                          "2021-02-29T10:00:00Z")])
+def test_llguidance_checks_leap_days_and_leap_seconds_of_date_and_time_formats(
+        backends, ranks, vocab, fmt, good, bad):
+    schema = {"type": "string", "format": fmt}
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    assert not checker.conforms(bad, fmt)  # (jsonschema refuses every leap second)
+    compiled = compile_spec(schema_spec(schema), backends)
+    assert compiled.backend == LLGUIDANCE
+    m = ranks[LLGUIDANCE].new_matcher(ranks[LLGUIDANCE].deserialize(compiled.payload))
+    assert accepts(m, vocab, json.dumps(good)) and not accepts(m, vocab, json.dumps(bad))
 
 
 @pytest.mark.parametrize("whitespace,text,ok", [
