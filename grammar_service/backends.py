@@ -198,14 +198,17 @@ class LLGuidanceBackend:
         self.tokenizer = tokenizer
         self.eos = frozenset(int(t) for t in eos_token_ids)
 
-    def compile(self, spec) -> LLGuidanceGrammar:
+    def compile(self, spec, one_of_as_any_of: bool = False) -> LLGuidanceGrammar:
         """Build the grammar of a CanonicalSpec and check it against the vocabulary.
 
         Raises BackendError with llguidance's message when it refuses the spec, which it does
         for what it cannot enforce exactly (e.g. `not`, overlapping `oneOf` branches,
-        `uniqueItems`, unknown `format`s) as well as for syntax errors.
+        `uniqueItems`, unknown `format`s) as well as for syntax errors. With
+        `one_of_as_any_of` (json_schema), `oneOf` branches it cannot prove disjoint are
+        compiled as `anyOf` instead of refused (llguidance's coerce_one_of): the caller
+        reports `oneOf` unenforced.
         """
-        return self._ready(_llg_grammar(spec))
+        return self._ready(_llg_grammar(spec, one_of_as_any_of))
 
     def serialize(self, compiled: LLGuidanceGrammar) -> bytes:
         return json.dumps({"format": _LLG_FORMAT, "grammar": compiled.grammar},
@@ -243,7 +246,7 @@ class LLGuidanceBackend:
         return LLGuidanceGrammar(grammar, template)
 
 
-def _llg_grammar(spec) -> str:
+def _llg_grammar(spec, one_of_as_any_of: bool = False) -> str:
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
@@ -263,6 +266,8 @@ def _llg_grammar(spec) -> str:
             ws = {"whitespace_flexible": True}
         try:
             # Our options override any "x-guidance" the schema carries.
+            if one_of_as_any_of:
+                ws["coerce_one_of"] = True
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=ws)
         except ValueError as exc:
             raise BackendError(str(exc), LLGUIDANCE) from None

@@ -6,8 +6,13 @@ The rule for `backend: auto` (a client can force either backend with options.bac
   cannot enforce exactly, e.g. `not`, `oneOf` branches it cannot prove disjoint,
   `uniqueItems`, `dependentRequired`, unknown `format`s, and otherwise enforces what
   xgrammar approximates (`allOf`, length bounds next to a `pattern`, large length bounds).
-  When llguidance refuses, xgrammar compiles it and the keywords it does not enforce are
-  reported (grammar_service.unenforced); with options.strict such a schema is refused.
+  When llguidance refuses only because `oneOf` branches are not provably disjoint, it
+  compiles them as `anyOf` (as xgrammar always does) and `oneOf` is reported unenforced:
+  everything else stays exact, and it compiles far faster than xgrammar. When llguidance
+  refuses otherwise, xgrammar compiles it and the keywords it does not enforce are reported
+  (grammar_service.unenforced); with options.strict such a schema is refused.
+  Property order is fixed on both backends: the listed properties in the schema's order,
+  then any unlisted ones.
 - json_object: llguidance (both exact; llguidance is faster to build and to mask).
 - regex, choice: xgrammar (both exact; xgrammar is faster for the small grammars these are).
 - ebnf (xgrammar's dialect), structural_tag: xgrammar, whose formats they are.
@@ -83,11 +88,30 @@ def compile_spec(spec, backends: dict) -> Compiled:
                      "auto: llguidance enforces every keyword of this schema")
     except BackendError as exc:
         refusal = str(exc)
+    if "coerce_one_of" in refusal:
+        # Both backends compile such a oneOf as anyOf; llguidance enforces everything else.
+        try:
+            return _one_of_as_any_of(backends[LLGUIDANCE], spec)
+        except BackendError as exc:
+            refusal = str(exc)
     unenforced = tuple(find_unenforced(json.loads(spec.text)))
     reason = f"auto: {_first_line(refusal)}; xgrammar compiles it"
     if unenforced:
         reason += f" without enforcing {', '.join(unenforced)}"
     return _with(backends[XGRAMMAR], spec, reason)
+
+
+def _one_of_as_any_of(backend, spec) -> Compiled:
+    paths = tuple(p for p in find_unenforced(json.loads(spec.text))
+                  if p.rsplit(".", 1)[-1] == "oneOf")
+    if spec.options.strict:
+        raise StrictRefused(f"schema uses keywords no backend enforces: {', '.join(paths)} "
+                            "(oneOf branches that are not provably disjoint are compiled as "
+                            "anyOf; unset options.strict to accept that)")
+    compiled = backend.compile(spec, one_of_as_any_of=True)
+    reason = ("auto: llguidance enforces every keyword of this schema but oneOf, whose "
+              f"branches it cannot prove disjoint; it compiles {', '.join(paths)} as anyOf")
+    return Compiled(backend.name, reason, paths, backend.serialize(compiled))
 
 
 def _with(backend, spec, reason: str) -> Compiled:

@@ -177,6 +177,8 @@ AUTO_CASES = {
     "schema_llguidance_refuses": (dict(json_schema=json.dumps(NOT)), XGRAMMAR,
                                   'Unimplemented keys: ["not"]; xgrammar compiles it '
                                   "without enforcing not", ("not",)),
+    "schema_overlapping_one_of": (dict(json_schema=json.dumps(ONE_OF)), LLGUIDANCE,
+                                  "it compiles oneOf as anyOf", ("oneOf",)),
     "json_object": (dict(json_object=common_pb2.JsonObject()), LLGUIDANCE,
                     "llguidance builds and masks faster", ()),
     "regex": (dict(regex="[0-9]+"), XGRAMMAR, "xgrammar compiles and masks faster", ()),
@@ -209,6 +211,21 @@ def test_forcing_a_backend_overrides_the_rule_and_reports_what_it_leaves_out(bac
     assert forced.backend == LLGUIDANCE
     with pytest.raises(BackendError, match="not"):
         compile_spec(schema_spec(NOT, backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE), backends)
+
+
+def test_an_overlapping_one_of_is_reported_and_the_rest_stays_exact_on_llguidance(
+        backends, ranks, vocab):
+    schema = {"type": "object", "properties": {
+        "v": ONE_OF, "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
+        "required": ["v", "code"]}
+    compiled = compile_spec(schema_spec(schema), backends)
+    assert (compiled.backend, compiled.unenforced) == (LLGUIDANCE, ("properties.v.oneOf",))
+    m = ranks[LLGUIDANCE].new_matcher(ranks[LLGUIDANCE].deserialize(compiled.payload))
+    assert accepts(m, vocab, '{"v": 1.5, "code": "abc"}')
+    assert accepts(m, vocab, '{"v": 3, "code": "abc"}')  # in both branches: the approximation
+    assert not accepts(m, vocab, '{"v": 3, "code": "abcd"}')  # maxLength with a pattern: exact
+    with pytest.raises(StrictRefused, match="properties.v.oneOf"):
+        compile_spec(schema_spec(schema, strict=True), backends)
 
 
 def test_strict_refuses_only_what_no_backend_enforces(backends):
