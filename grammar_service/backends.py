@@ -61,6 +61,14 @@ VERSIONS = {XGRAMMAR: importlib.metadata.version("xgrammar"),
             LLGUIDANCE: importlib.metadata.version("llguidance")}
 
 _LLG_FORMAT = "gramserve-llguidance/1"
+_XGR_SPEC_FORMAT = "gramserve-xgrammar-spec/1"
+# What a rank pays per byte of xgrammar's serialised form to fetch and deserialise it, and
+# how much faster than compiling that must be for the serialised form to travel (else the
+# spec does and each rank compiles it; see XGrammarBackend.serialize). Measured with
+# bench/grammar_cache.py on this project's 2-core machine, one thread: deserialize_json
+# 21-35 ns per byte at 4k and 150k vocabularies, serialize_json about twice that.
+RANK_SECONDS_PER_BYTE = 40e-9
+CACHE_SPEEDUP = 4.0
 # xgrammar's max_whitespace_cnt as an llguidance whitespace lexeme (JSON's four characters).
 _JSON_WS = r"[\x20\x0A\x0D\x09]"
 
@@ -96,7 +104,7 @@ class Backend(Protocol):
     version: str
 
     def compile(self, spec) -> object: ...
-    def serialize(self, compiled) -> bytes: ...
+    def serialize(self, compiled, spec=None, compile_seconds: float | None = None) -> bytes: ...
     def deserialize(self, payload: bytes) -> object: ...
     def new_matcher(self, compiled, **options) -> Matcher: ...
 
@@ -127,13 +135,46 @@ class XGrammarBackend:
                                                  cache_enabled=False)
         return _xgr_compile(self._compiler, spec)
 
-    def serialize(self, compiled: xgr.CompiledGrammar) -> bytes:
-        return compiled.serialize_json().encode()
+    def serialize(self, compiled: xgr.CompiledGrammar, spec=None,
+                  compile_seconds: float | None = None) -> bytes:
+        """The payload a rank reads back with `deserialize`.
+
+        xgrammar's serialised form when fetching and deserialising it is at least
+        CACHE_SPEEDUP times faster than compiling (estimated at RANK_SECONDS_PER_BYTE);
+        otherwise, when `spec` (the CanonicalSpec compiled) and `compile_seconds` (what the
+        compile took) are given, the spec itself in a small envelope, which the rank
+        compiles. The serialised form grows much faster than the grammar (measured at a 4k
+        vocabulary: 0.7 MB for a 42 ms compile, 18 MB for 0.2 s, 95 MB and 6.8 s to write for
+        0.3 s) and is never smaller than the grammar in memory, so that lower bound is
+        checked before anything is written. The service has already compiled the spec
+        within its deadline and memory cap on the same vocabulary, so a rank's compile is
+        bounded too. Without `spec` or `compile_seconds`: always the serialised form.
+        """
+        def slow(nbytes: int) -> bool:
+            return nbytes * RANK_SECONDS_PER_BYTE * CACHE_SPEEDUP > compile_seconds
+
+        spec_payload = None
+        if spec is not None and compile_seconds is not None:
+            spec_payload = json.dumps({"format": _XGR_SPEC_FORMAT, "spec": spec.to_dict()},
+                                      separators=(",", ":"), ensure_ascii=False).encode()
+            if slow(compiled.memory_size_bytes):
+                return spec_payload
+        text = compiled.serialize_json().encode()
+        return spec_payload if spec_payload is not None and slow(len(text)) else text
 
     def deserialize(self, payload: bytes) -> xgr.CompiledGrammar:
-        """Raises BackendError when `payload` is not xgrammar's for this vocabulary."""
+        """The compiled grammar of a `serialize` payload: read back, or compiled here from
+        the spec it carries. Raises BackendError when `payload` is neither for this
+        vocabulary, or xgrammar refuses the spec."""
         if payload.startswith(b'{"format":"' + _LLG_FORMAT.encode()):
             raise BackendError("the payload is an llguidance grammar, not xgrammar's", XGRAMMAR)
+        if payload.startswith(b'{"format":"' + _XGR_SPEC_FORMAT.encode()):
+            from grammar_service.specs import CanonicalSpec
+
+            try:
+                return self.compile(CanonicalSpec.from_dict(json.loads(payload)["spec"]))
+            except Exception as exc:  # xgrammar raises its own error types and RuntimeError
+                raise BackendError(f"{type(exc).__name__}: {exc}", XGRAMMAR) from None
         try:
             return xgr.CompiledGrammar.deserialize_json(payload.decode(), self.tokenizer_info)
         except Exception as exc:  # xgrammar raises its own error types and RuntimeError
@@ -210,7 +251,9 @@ class LLGuidanceBackend:
         """
         return self._ready(_llg_grammar(spec, one_of_as_any_of))
 
-    def serialize(self, compiled: LLGuidanceGrammar) -> bytes:
+    def serialize(self, compiled: LLGuidanceGrammar, spec=None,
+                  compile_seconds: float | None = None) -> bytes:
+        """Our envelope around the grammar text (`spec` is not needed: the text is small)."""
         return json.dumps({"format": _LLG_FORMAT, "grammar": compiled.grammar},
                           separators=(",", ":"), ensure_ascii=False).encode()
 

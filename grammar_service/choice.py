@@ -36,6 +36,7 @@ Pure and cheap; the compile pool's children call `compile_spec`.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 from grammar_service.backends import LLGUIDANCE, XGRAMMAR, BackendError
@@ -108,10 +109,12 @@ def _one_of_as_any_of(backend, spec) -> Compiled:
         raise StrictRefused(f"schema uses keywords no backend enforces: {', '.join(paths)} "
                             "(oneOf branches that are not provably disjoint are compiled as "
                             "anyOf; unset options.strict to accept that)")
+    start = time.perf_counter()
     compiled = backend.compile(spec, one_of_as_any_of=True)
+    seconds = time.perf_counter() - start
     reason = ("auto: llguidance enforces every keyword of this schema but oneOf, whose "
               f"branches it cannot prove disjoint; it compiles {', '.join(paths)} as anyOf")
-    return Compiled(backend.name, reason, paths, backend.serialize(compiled))
+    return Compiled(backend.name, reason, paths, backend.serialize(compiled, spec, seconds))
 
 
 def _with(backend, spec, reason: str) -> Compiled:
@@ -123,13 +126,15 @@ def _with(backend, spec, reason: str) -> Compiled:
                 "schema uses keywords the compiled grammar does not enforce: "
                 f"{', '.join(unenforced)} (llguidance refuses this schema too, or xgrammar "
                 "was forced; unset options.strict to accept an approximation)")
+    start = time.perf_counter()
     try:
         compiled = backend.compile(spec)
     except (MemoryError, BackendError):
         raise
     except Exception as exc:  # xgrammar raises RuntimeError and its own types
         raise BackendError(str(exc).strip(), backend.name) from None
-    return Compiled(backend.name, reason, unenforced, backend.serialize(compiled))
+    seconds = time.perf_counter() - start
+    return Compiled(backend.name, reason, unenforced, backend.serialize(compiled, spec, seconds))
 
 
 def _first_line(message: str) -> str:

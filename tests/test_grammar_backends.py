@@ -270,6 +270,25 @@ def test_payloads_and_compiled_grammars_only_pair_with_their_backend(backends, r
             ranks[name].new_matcher(compiled[other])
 
 
+def test_an_xgrammar_grammar_cheaper_to_compile_than_to_move_travels_as_its_spec(
+        backends, ranks, vocab):
+    spec = schema_spec({"type": "object", "properties": {"n": {"type": "integer"}}},
+                       backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR)
+    compiled = backends[XGRAMMAR].compile(spec)
+    serialised = backends[XGRAMMAR].serialize(compiled, spec, compile_seconds=3600.0)
+    as_spec = backends[XGRAMMAR].serialize(compiled, spec, compile_seconds=1e-6)
+    assert serialised == backends[XGRAMMAR].serialize(compiled)  # worth fetching: the form
+    assert len(as_spec) < 1000 < len(serialised)
+    for payload in (serialised, as_spec):
+        m = ranks[XGRAMMAR].new_matcher(ranks[XGRAMMAR].deserialize(payload))
+        assert accepts(m, vocab, '{"n": 12}') and not accepts(m, vocab, '{"n": "x"}')
+    with pytest.raises(BackendError):
+        ranks[LLGUIDANCE].deserialize(as_spec)
+    # The service's path: a small grammar on a small vocabulary compiles in milliseconds,
+    # faster than its serialised form could be read back, so its spec travels.
+    assert compile_spec(spec, backends).payload.startswith(b'{"format":"gramserve-xgrammar-spec')
+
+
 def test_llguidance_bounds_long_strings_without_the_rewrite_and_xgrammar_reports_them(
         backends, ranks, vocab):
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8192}},
