@@ -227,6 +227,8 @@ class LLGuidanceGrammar:
 
     grammar: str
     template: object  # llguidance.LLMatcher
+    # llguidance's warnings: what a lenient compile ignored or approximated
+    warnings: tuple[str, ...] = ()
 
 
 class LLGuidanceBackend:
@@ -239,17 +241,17 @@ class LLGuidanceBackend:
         self.tokenizer = tokenizer
         self.eos = frozenset(int(t) for t in eos_token_ids)
 
-    def compile(self, spec, one_of_as_any_of: bool = False) -> LLGuidanceGrammar:
+    def compile(self, spec, lenient: bool = False) -> LLGuidanceGrammar:
         """Build the grammar of a CanonicalSpec and check it against the vocabulary.
 
         Raises BackendError with llguidance's message when it refuses the spec, which it does
         for what it cannot enforce exactly (e.g. `not`, overlapping `oneOf` branches,
-        `uniqueItems`, unknown `format`s) as well as for syntax errors. With
-        `one_of_as_any_of` (json_schema), `oneOf` branches it cannot prove disjoint are
-        compiled as `anyOf` instead of refused (llguidance's coerce_one_of): the caller
-        reports `oneOf` unenforced.
+        `uniqueItems`, unknown `format`s) as well as for syntax errors. With `lenient`
+        (json_schema), what it cannot enforce is ignored instead (an unknown keyword or
+        format) or approximated (`oneOf` as `anyOf`), and said in the result's `warnings`,
+        which the caller must report (grammar_service.unenforced.llguidance_unenforced).
         """
-        return self._ready(_llg_grammar(spec, one_of_as_any_of))
+        return self._ready(_llg_grammar(spec, lenient))
 
     def serialize(self, compiled: LLGuidanceGrammar, spec=None,
                   compile_seconds: float | None = None) -> bytes:
@@ -286,10 +288,10 @@ class LLGuidanceBackend:
         template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise BackendError(template.get_error(), LLGUIDANCE)
-        return LLGuidanceGrammar(grammar, template)
+        return LLGuidanceGrammar(grammar, template, tuple(template.get_grammar_warnings()))
 
 
-def _llg_grammar(spec, one_of_as_any_of: bool = False) -> str:
+def _llg_grammar(spec, lenient: bool = False) -> str:
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
@@ -309,8 +311,8 @@ def _llg_grammar(spec, one_of_as_any_of: bool = False) -> str:
             ws = {"whitespace_flexible": True}
         try:
             # Our options override any "x-guidance" the schema carries.
-            if one_of_as_any_of:
-                ws["coerce_one_of"] = True
+            if lenient:
+                ws["lenient"] = True
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=ws)
         except ValueError as exc:
             raise BackendError(str(exc), LLGUIDANCE) from None

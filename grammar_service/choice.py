@@ -6,11 +6,14 @@ The rule for `backend: auto` (a client can force either backend with options.bac
   cannot enforce exactly, e.g. `not`, `oneOf` branches it cannot prove disjoint,
   `uniqueItems`, `dependentRequired`, unknown `format`s, and otherwise enforces what
   xgrammar approximates (`allOf`, length bounds next to a `pattern`, large length bounds).
-  When llguidance refuses only because `oneOf` branches are not provably disjoint, it
-  compiles them as `anyOf` (as xgrammar always does) and `oneOf` is reported unenforced:
-  everything else stays exact, and it compiles far faster than xgrammar. When llguidance
-  refuses otherwise, xgrammar compiles it and the keywords it does not enforce are reported
-  (grammar_service.unenforced); with options.strict such a schema is refused.
+  When llguidance refuses, it compiles the schema leniently: what it cannot enforce
+  (`not`, `uniqueItems`, `if`, `contains`, an unknown `format`, ...) is ignored, a `oneOf`
+  it cannot prove disjoint becomes `anyOf` (as on xgrammar), and each is reported from its
+  warnings (grammar_service.unenforced.llguidance_unenforced): everything else stays exact,
+  which is more than xgrammar enforces, and it compiles far faster. Only when that fails
+  too (or a warning is not understood) does xgrammar compile it, its unenforced keywords
+  reported (grammar_service.unenforced). With options.strict a schema with anything
+  unenforced is refused.
   Property order is fixed on both backends: the listed properties in the schema's order,
   then any unlisted ones.
 - json_object: llguidance (both exact; llguidance is faster to build and to mask).
@@ -40,7 +43,7 @@ import time
 from dataclasses import dataclass
 
 from grammar_service.backends import LLGUIDANCE, XGRAMMAR, BackendError
-from grammar_service.unenforced import find_unenforced
+from grammar_service.unenforced import find_unenforced, llguidance_unenforced
 
 # Kinds whose auto choice does not depend on the spec, with the reason reported.
 _STATIC = {
@@ -89,12 +92,9 @@ def compile_spec(spec, backends: dict) -> Compiled:
                      "auto: llguidance enforces every keyword of this schema")
     except BackendError as exc:
         refusal = str(exc)
-    if "coerce_one_of" in refusal:
-        # Both backends compile such a oneOf as anyOf; llguidance enforces everything else.
-        try:
-            return _one_of_as_any_of(backends[LLGUIDANCE], spec)
-        except BackendError as exc:
-            refusal = str(exc)
+    lenient = _lenient(backends[LLGUIDANCE], spec)
+    if lenient is not None:
+        return lenient
     unenforced = tuple(find_unenforced(json.loads(spec.text)))
     reason = f"auto: {_first_line(refusal)}; xgrammar compiles it"
     if unenforced:
@@ -102,19 +102,26 @@ def compile_spec(spec, backends: dict) -> Compiled:
     return _with(backends[XGRAMMAR], spec, reason)
 
 
-def _one_of_as_any_of(backend, spec) -> Compiled:
-    paths = tuple(p for p in find_unenforced(json.loads(spec.text))
-                  if p.rsplit(".", 1)[-1] == "oneOf")
+def _lenient(backend, spec) -> Compiled | None:
+    """llguidance ignoring (or, for oneOf, approximating) what it cannot enforce, all of it
+    reported from its warnings; None when it still refuses, or says something we cannot
+    turn into a report."""
+    start = time.perf_counter()
+    try:
+        compiled = backend.compile(spec, lenient=True)
+    except BackendError:
+        return None
+    seconds = time.perf_counter() - start
+    paths = llguidance_unenforced(json.loads(spec.text), compiled.warnings)
+    if not paths:
+        return None
     if spec.options.strict:
         raise StrictRefused(f"schema uses keywords no backend enforces: {', '.join(paths)} "
-                            "(oneOf branches that are not provably disjoint are compiled as "
-                            "anyOf; unset options.strict to accept that)")
-    start = time.perf_counter()
-    compiled = backend.compile(spec, one_of_as_any_of=True)
-    seconds = time.perf_counter() - start
-    reason = ("auto: llguidance enforces every keyword of this schema but oneOf, whose "
-              f"branches it cannot prove disjoint; it compiles {', '.join(paths)} as anyOf")
-    return Compiled(backend.name, reason, paths, backend.serialize(compiled, spec, seconds))
+                            "(unset options.strict to accept an approximation)")
+    reason = ("auto: llguidance enforces every keyword of this schema but those it reports "
+              f"({'; '.join(compiled.warnings)})")
+    return Compiled(backend.name, _first_line(reason), tuple(paths),
+                    backend.serialize(compiled, spec, seconds))
 
 
 def _with(backend, spec, reason: str) -> Compiled:

@@ -1,7 +1,8 @@
-"""JSON Schema keywords xgrammar 0.2.9 compiles without enforcing, and the walk that finds them.
+"""JSON Schema keywords a backend compiles without enforcing, and the walks that find them.
 
-The table is xgrammar's: a grammar compiled by llguidance enforces what it compiles (it
-refuses the rest), so nothing is reported for it (see grammar_service.choice).
+The table is xgrammar's. llguidance refuses what it cannot enforce, or, compiled leniently,
+says in its warnings what it ignored or approximated; `llguidance_unenforced` turns those
+warnings into the same kind of report (see grammar_service.choice).
 
 Each entry of UNENFORCED carries its evidence: a schema using the keyword and an instance on
 which xgrammar's compiled grammar and the schema disagree (the schema rejects it and the
@@ -19,6 +20,8 @@ as numbers: `not`, `properties.name.minLength`, `anyOf.1.format`.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -66,6 +69,11 @@ _NOT_ASSERTIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "
 
 def _ref_with_siblings(node: dict) -> bool:
     return bool(node.keys() - _NOT_ASSERTIONS)
+
+
+def _lookaround(node: dict) -> bool:
+    pattern = node.get("pattern")
+    return isinstance(pattern, str) and any(a in pattern for a in ("(?=", "(?!", "(?<"))
 
 
 def _requires_unlisted(node: dict) -> bool:
@@ -145,6 +153,9 @@ UNENFORCED: tuple[Unenforced, ...] = (
                {"properties": {'foo"bar': {"type": "number"}}}, {'foo"bar': "1"},
                "a property name that needs a JSON escape is never matched: refused with "
                "unlisted properties forbidden, taken with any value with them allowed"),
+    Unenforced("pattern", _lookaround,
+               {"type": "string", "pattern": "^(?!x).*$"}, "xa",
+               "lookahead and lookbehind assertions are ignored"),
     Unenforced("$ref", _ref_with_siblings,
                {"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "maximum": 5}, 9,
                "keywords beside a $ref are ignored (the referenced schema alone applies)"),
@@ -223,3 +234,54 @@ def _walk(node, path: str) -> Iterator[str]:
 
 def _join(path: str, part: str) -> str:
     return f"{path}.{part}" if path else part
+
+
+# llguidance's lenient warnings (1.9.1) and the keywords they name; any other warning makes
+# `llguidance_unenforced` give up, so nothing llguidance relaxed goes unreported.
+_LLG_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*)\]')
+_LLG_FORMAT = re.compile(r"Unknown format: (.+)")
+_LLG_ONE_OF = "oneOf not fully supported, falling back to anyOf"
+
+
+def llguidance_unenforced(schema, warnings) -> list[str] | None:
+    """Paths in `schema` of the keywords llguidance's lenient `warnings` say it did not
+    enforce (every occurrence of a named keyword, every `format` with a named value), or
+    None when a warning is not one of the known kinds (then the grammar must not be used).
+    Pure."""
+    keywords: set[str] = set()
+    formats: set[str] = set()
+    for warning in warnings:
+        if (m := _LLG_UNIMPLEMENTED.fullmatch(warning)) is not None:
+            try:
+                keywords.update(json.loads(f"[{m.group(1)}]"))
+            except ValueError:
+                return None
+        elif (m := _LLG_FORMAT.fullmatch(warning)) is not None:
+            formats.add(m.group(1))
+        elif warning.startswith(_LLG_ONE_OF):
+            keywords.add("oneOf")
+        else:
+            return None
+    paths = list(_walk_keywords(schema, "", keywords, formats))
+    return paths if paths or not (keywords or formats) else None
+
+
+def _walk_keywords(node, path: str, keywords: set[str], formats: set[str]) -> Iterator[str]:
+    if not isinstance(node, dict):
+        return
+    for keyword in node:
+        if keyword in keywords or (keyword == "format" and node[keyword] in formats):
+            yield _join(path, keyword)
+    for keyword, value in node.items():
+        if keyword in ("enum", "const", "default", "examples"):
+            continue
+        if isinstance(value, dict):
+            if keyword in _MAP or keyword == "dependencies":
+                for name, sub in value.items():
+                    yield from _walk_keywords(sub, _join(path, f"{keyword}.{name}"), keywords,
+                                              formats)
+            else:
+                yield from _walk_keywords(value, _join(path, keyword), keywords, formats)
+        elif isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield from _walk_keywords(sub, _join(path, f"{keyword}.{i}"), keywords, formats)

@@ -81,6 +81,7 @@ PATTERN_LENGTH = {"type": "object", "properties": {
     "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}, "required": ["code"]}
 ONE_OF = {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}
 NOT = {"type": "integer", "not": {"const": 3}}
+LOOKAHEAD = {"type": "string", "pattern": "^(?!x).*$"}
 
 ENFORCED_BY_LLGUIDANCE = {
     "allOf": (ALL_OF, "4", "9"),
@@ -174,11 +175,15 @@ def test_llguidance_matcher_refuses_a_bitmask_of_another_width(backends, ranks, 
 AUTO_CASES = {
     "schema_llguidance_enforces": (dict(json_schema=json.dumps(ALL_OF)), LLGUIDANCE,
                                    "llguidance enforces every keyword", ()),
-    "schema_llguidance_refuses": (dict(json_schema=json.dumps(NOT)), XGRAMMAR,
-                                  'Unimplemented keys: ["not"]; xgrammar compiles it '
-                                  "without enforcing not", ("not",)),
+    "schema_llguidance_ignores_and_reports": (dict(json_schema=json.dumps(NOT)), LLGUIDANCE,
+                                              'but those it reports (Unimplemented keys: '
+                                              '["not"])', ("not",)),
+    "schema_llguidance_refuses": (dict(json_schema=json.dumps(LOOKAHEAD)), XGRAMMAR,
+                                  "xgrammar compiles it without enforcing pattern",
+                                  ("pattern",)),
     "schema_overlapping_one_of": (dict(json_schema=json.dumps(ONE_OF)), LLGUIDANCE,
-                                  "it compiles oneOf as anyOf", ("oneOf",)),
+                                  "oneOf not fully supported, falling back to anyOf",
+                                  ("oneOf",)),
     "json_object": (dict(json_object=common_pb2.JsonObject()), LLGUIDANCE,
                     "llguidance builds and masks faster", ()),
     "regex": (dict(regex="[0-9]+"), XGRAMMAR, "xgrammar compiles and masks faster", ()),
@@ -213,19 +218,39 @@ def test_forcing_a_backend_overrides_the_rule_and_reports_what_it_leaves_out(bac
         compile_spec(schema_spec(NOT, backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE), backends)
 
 
-def test_an_overlapping_one_of_is_reported_and_the_rest_stays_exact_on_llguidance(
+def test_what_llguidance_cannot_enforce_is_reported_and_the_rest_stays_exact(
         backends, ranks, vocab):
     schema = {"type": "object", "properties": {
-        "v": ONE_OF, "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}},
+        "v": ONE_OF, "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3},
+        "tags": {"type": "array", "items": {"type": "string", "format": "regex"},
+                 "uniqueItems": True}},
         "required": ["v", "code"]}
     compiled = compile_spec(schema_spec(schema), backends)
-    assert (compiled.backend, compiled.unenforced) == (LLGUIDANCE, ("properties.v.oneOf",))
+    assert compiled.backend == LLGUIDANCE
+    assert sorted(compiled.unenforced) == ["properties.tags.items.format",
+                                           "properties.tags.uniqueItems", "properties.v.oneOf"]
     m = ranks[LLGUIDANCE].new_matcher(ranks[LLGUIDANCE].deserialize(compiled.payload))
     assert accepts(m, vocab, '{"v": 1.5, "code": "abc"}')
     assert accepts(m, vocab, '{"v": 3, "code": "abc"}')  # in both branches: the approximation
+    assert accepts(m, vocab, '{"v": 3, "code": "abc", "tags": ["a", "a"]}')  # ignored
     assert not accepts(m, vocab, '{"v": 3, "code": "abcd"}')  # maxLength with a pattern: exact
     with pytest.raises(StrictRefused, match="properties.v.oneOf"):
         compile_spec(schema_spec(schema, strict=True), backends)
+
+
+@pytest.mark.parametrize("warnings,paths", [
+    (['Unimplemented keys: ["not", "if"]'], ["if", "properties.a.not"]),
+    (["Unknown format: regex"], ["properties.a.format"]),
+    (["oneOf not fully supported, falling back to anyOf. This may cause errors."], ["oneOf"]),
+    (["Something new llguidance says"], None),
+    (['Unimplemented keys: ["dependentRequired"]'], None),  # not in the schema: not understood
+])
+def test_llguidance_warnings_become_reported_paths_or_nothing_is_trusted(warnings, paths):
+    from grammar_service.unenforced import llguidance_unenforced
+
+    schema = {"properties": {"a": {"format": "regex", "not": {"const": 1}}},
+              "oneOf": [{}], "if": {}, "enum": [{"not": 1}]}
+    assert llguidance_unenforced(schema, warnings) == paths
 
 
 def test_strict_refuses_only_what_no_backend_enforces(backends):

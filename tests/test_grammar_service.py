@@ -162,7 +162,11 @@ def test_unenforced_keywords_are_reported_and_strict_refuses_them(served):
         "name": {"type": "string", "pattern": "^[a-z]+$", "minLength": 3},
         "n": {"type": "integer", "not": {"const": 0}}}})
     ref = compile_(stub, json_schema=schema)
-    assert list(ref.unenforced_keywords) == ["properties.name.minLength", "properties.n.not"]
+    # llguidance ignores `not` (reported) and enforces minLength beside the pattern
+    assert ref.backend == "llguidance" and list(ref.unenforced_keywords) == ["properties.n.not"]
+    forced = compile_(stub, json_schema=schema, options=common_pb2.GrammarOptions(
+        backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR))
+    assert list(forced.unenforced_keywords) == ["properties.name.minLength", "properties.n.not"]
     with pytest.raises(grpc.RpcError) as err:
         compile_(stub, json_schema=schema, options=common_pb2.GrammarOptions(strict=True))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
