@@ -10,9 +10,10 @@ The rule for `backend: auto` (a client can force either backend with options.bac
   (`not`, `uniqueItems`, `if`, `contains`, an unknown `format`, ...) is ignored, a `oneOf`
   it cannot prove disjoint becomes `anyOf` (as on xgrammar), and each is reported from its
   warnings (grammar_service.unenforced.llguidance_unenforced): everything else stays exact,
-  which is more than xgrammar enforces, and it compiles far faster. Only when that fails
-  too (or a warning is not understood) does xgrammar compile it, its unenforced keywords
-  reported (grammar_service.unenforced). With options.strict a schema with anything
+  which is more than xgrammar enforces, and it compiles far faster. xgrammar compiles it
+  when it enforces every keyword (e.g. a `format` only it knows), or when the lenient compile
+  fails too (or a warning is not understood), its unenforced keywords reported
+  (grammar_service.unenforced). With options.strict a schema with anything
   unenforced is refused.
   Property order is fixed on both backends: the listed properties in the schema's order,
   then any unlisted ones.
@@ -92,10 +93,11 @@ def compile_spec(spec, backends: dict) -> Compiled:
                      "auto: llguidance enforces every keyword of this schema")
     except BackendError as exc:
         refusal = str(exc)
-    lenient = _lenient(backends[LLGUIDANCE], spec)
-    if lenient is not None:
-        return lenient
     unenforced = tuple(find_unenforced(json.loads(spec.text)))
+    if unenforced:  # else xgrammar enforces it all (e.g. a format only it knows)
+        lenient = _lenient(backends[LLGUIDANCE], spec)
+        if lenient is not None:
+            return lenient
     reason = f"auto: {_first_line(refusal)}; xgrammar compiles it"
     if unenforced:
         reason += f" without enforcing {', '.join(unenforced)}"
