@@ -97,11 +97,21 @@ def validate_constraint(spec: common_pb2.GrammarSpec) -> None:
                               field="constraint.options.whitespace")
 
 
+def checked_formats() -> frozenset[str]:
+    """The `format` values the output check asserts (those with jsonschema's checkers
+    installed: `jsonschema[format-nongpl]` adds uri, hostname, duration and others)."""
+    import jsonschema
+
+    return frozenset(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers)
+
+
 def check_output_against_schema(schema_text: str, text: str) -> tuple[bool, str]:
     """(valid, why not) for generated `text` against the user's JSON schema (jsonschema).
 
     The compiled grammar can be looser than the schema, so this is the final word on
-    `schema_valid`. Never raises.
+    `schema_valid`. `format` is asserted (whatever the draft says) for every format the
+    validator's FormatChecker claims (`CHECKED_FORMATS`), so a format an engine lets through
+    does not pass silently; other format values are not checked. Never raises.
     """
     import json
 
@@ -113,7 +123,8 @@ def check_output_against_schema(schema_text: str, text: str) -> tuple[bool, str]
         return False, f"output is not JSON: {exc}"
     try:
         schema = json.loads(schema_text)
-        validator = jsonschema.validators.validator_for(schema)(schema)
+        cls = jsonschema.validators.validator_for(schema)
+        validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
         error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
     except Exception as exc:  # a schema jsonschema cannot handle is not a valid output
         return False, f"schema could not be checked: {exc}"

@@ -47,7 +47,11 @@ from typing import Protocol
 
 import xgrammar as xgr
 
-from grammar_service.schema_fixes import fix_schema, forbid_unlisted_properties
+from grammar_service.schema_fixes import (
+    fix_schema,
+    fix_schema_llguidance,
+    forbid_unlisted_properties,
+)
 
 XGRAMMAR = "xgrammar"
 LLGUIDANCE = "llguidance"
@@ -57,6 +61,14 @@ VERSIONS = {XGRAMMAR: importlib.metadata.version("xgrammar"),
             LLGUIDANCE: importlib.metadata.version("llguidance")}
 
 _LLG_FORMAT = "gramserve-llguidance/1"
+_XGR_SPEC_FORMAT = "gramserve-xgrammar-spec/1"
+# What a rank pays per byte of xgrammar's serialised form to fetch and deserialise it, and
+# how much faster than compiling that must be for the serialised form to travel (else the
+# spec does and each rank compiles it; see XGrammarBackend.serialize). Measured with
+# bench/grammar_cache.py on this project's 2-core machine, one thread: deserialize_json
+# 21-35 ns per byte at 4k and 150k vocabularies, serialize_json about twice that.
+RANK_SECONDS_PER_BYTE = 40e-9
+CACHE_SPEEDUP = 4.0
 # xgrammar's max_whitespace_cnt as an llguidance whitespace lexeme (JSON's four characters).
 _JSON_WS = r"[\x20\x0A\x0D\x09]"
 
@@ -92,7 +104,7 @@ class Backend(Protocol):
     version: str
 
     def compile(self, spec) -> object: ...
-    def serialize(self, compiled) -> bytes: ...
+    def serialize(self, compiled, spec=None, compile_seconds: float | None = None) -> bytes: ...
     def deserialize(self, payload: bytes) -> object: ...
     def new_matcher(self, compiled, **options) -> Matcher: ...
 
@@ -123,13 +135,46 @@ class XGrammarBackend:
                                                  cache_enabled=False)
         return _xgr_compile(self._compiler, spec)
 
-    def serialize(self, compiled: xgr.CompiledGrammar) -> bytes:
-        return compiled.serialize_json().encode()
+    def serialize(self, compiled: xgr.CompiledGrammar, spec=None,
+                  compile_seconds: float | None = None) -> bytes:
+        """The payload a rank reads back with `deserialize`.
+
+        xgrammar's serialised form when fetching and deserialising it is at least
+        CACHE_SPEEDUP times faster than compiling (estimated at RANK_SECONDS_PER_BYTE);
+        otherwise, when `spec` (the CanonicalSpec compiled) and `compile_seconds` (what the
+        compile took) are given, the spec itself in a small envelope, which the rank
+        compiles. The serialised form grows much faster than the grammar (measured at a 4k
+        vocabulary: 0.7 MB for a 42 ms compile, 18 MB for 0.2 s, 95 MB and 6.8 s to write for
+        0.3 s) and is never smaller than the grammar in memory, so that lower bound is
+        checked before anything is written. The service has already compiled the spec
+        within its deadline and memory cap on the same vocabulary, so a rank's compile is
+        bounded too. Without `spec` or `compile_seconds`: always the serialised form.
+        """
+        def slow(nbytes: int) -> bool:
+            return nbytes * RANK_SECONDS_PER_BYTE * CACHE_SPEEDUP > compile_seconds
+
+        spec_payload = None
+        if spec is not None and compile_seconds is not None:
+            spec_payload = json.dumps({"format": _XGR_SPEC_FORMAT, "spec": spec.to_dict()},
+                                      separators=(",", ":"), ensure_ascii=False).encode()
+            if slow(compiled.memory_size_bytes):
+                return spec_payload
+        text = compiled.serialize_json().encode()
+        return spec_payload if spec_payload is not None and slow(len(text)) else text
 
     def deserialize(self, payload: bytes) -> xgr.CompiledGrammar:
-        """Raises BackendError when `payload` is not xgrammar's for this vocabulary."""
+        """The compiled grammar of a `serialize` payload: read back, or compiled here from
+        the spec it carries. Raises BackendError when `payload` is neither for this
+        vocabulary, or xgrammar refuses the spec."""
         if payload.startswith(b'{"format":"' + _LLG_FORMAT.encode()):
             raise BackendError("the payload is an llguidance grammar, not xgrammar's", XGRAMMAR)
+        if payload.startswith(b'{"format":"' + _XGR_SPEC_FORMAT.encode()):
+            from grammar_service.specs import CanonicalSpec
+
+            try:
+                return self.compile(CanonicalSpec.from_dict(json.loads(payload)["spec"]))
+            except Exception as exc:  # xgrammar raises its own error types and RuntimeError
+                raise BackendError(f"{type(exc).__name__}: {exc}", XGRAMMAR) from None
         try:
             return xgr.CompiledGrammar.deserialize_json(payload.decode(), self.tokenizer_info)
         except Exception as exc:  # xgrammar raises its own error types and RuntimeError
@@ -155,7 +200,8 @@ def _xgr_compile(compiler: xgr.GrammarCompiler, spec) -> xgr.CompiledGrammar:
             any_whitespace=not compact,
             separators=(",", ":") if compact else None,
             max_whitespace_cnt=opts.max_whitespace if opts.whitespace == "bounded" else None,
-            strict_mode=not opts.allow_unlisted_properties,
+            # strict_mode forbids properties the schema does not list (options.strict).
+            strict_mode=opts.strict,
         )
     if spec.kind == "regex":
         return compiler.compile_regex(spec.text)
@@ -181,6 +227,8 @@ class LLGuidanceGrammar:
 
     grammar: str
     template: object  # llguidance.LLMatcher
+    # llguidance's warnings: what a lenient compile ignored or approximated
+    warnings: tuple[str, ...] = ()
 
 
 class LLGuidanceBackend:
@@ -193,16 +241,21 @@ class LLGuidanceBackend:
         self.tokenizer = tokenizer
         self.eos = frozenset(int(t) for t in eos_token_ids)
 
-    def compile(self, spec) -> LLGuidanceGrammar:
+    def compile(self, spec, lenient: bool = False) -> LLGuidanceGrammar:
         """Build the grammar of a CanonicalSpec and check it against the vocabulary.
 
         Raises BackendError with llguidance's message when it refuses the spec, which it does
         for what it cannot enforce exactly (e.g. `not`, overlapping `oneOf` branches,
-        `uniqueItems`, unknown `format`s) as well as for syntax errors.
+        `uniqueItems`, unknown `format`s) as well as for syntax errors. With `lenient`
+        (json_schema), what it cannot enforce is ignored instead (an unknown keyword or
+        format) or approximated (`oneOf` as `anyOf`), and said in the result's `warnings`,
+        which the caller must report (grammar_service.unenforced.llguidance_unenforced).
         """
-        return self._ready(_llg_grammar(spec))
+        return self._ready(_llg_grammar(spec, lenient))
 
-    def serialize(self, compiled: LLGuidanceGrammar) -> bytes:
+    def serialize(self, compiled: LLGuidanceGrammar, spec=None,
+                  compile_seconds: float | None = None) -> bytes:
+        """Our envelope around the grammar text (`spec` is not needed: the text is small)."""
         return json.dumps({"format": _LLG_FORMAT, "grammar": compiled.grammar},
                           separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -235,18 +288,19 @@ class LLGuidanceBackend:
         template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise BackendError(template.get_error(), LLGUIDANCE)
-        return LLGuidanceGrammar(grammar, template)
+        return LLGuidanceGrammar(grammar, template, tuple(template.get_grammar_warnings()))
 
 
-def _llg_grammar(spec) -> str:
+def _llg_grammar(spec, lenient: bool = False) -> str:
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
     opts = spec.options
     if spec.kind in ("json_schema", "json_object"):
-        schema = json.loads(spec.text) if spec.kind == "json_schema" else {"type": "object"}
-        if spec.kind == "json_schema" and not opts.allow_unlisted_properties:
-            # The option means the same on both backends: xgrammar's strict_mode.
+        schema = (fix_schema_llguidance(json.loads(spec.text)) if spec.kind == "json_schema"
+                  else {"type": "object"})
+        if spec.kind == "json_schema" and opts.strict:
+            # options.strict means the same on both backends: xgrammar's strict_mode.
             schema = forbid_unlisted_properties(schema)
         if opts.whitespace == "compact":
             ws = {"whitespace_flexible": False}
@@ -257,6 +311,8 @@ def _llg_grammar(spec) -> str:
             ws = {"whitespace_flexible": True}
         try:
             # Our options override any "x-guidance" the schema carries.
+            if lenient:
+                ws["lenient"] = True
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=ws)
         except ValueError as exc:
             raise BackendError(str(exc), LLGUIDANCE) from None

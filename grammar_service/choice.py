@@ -7,9 +7,17 @@ The rule for `backend: auto` (a client can force either backend with options.bac
   vocabularies served models have (below). Otherwise llguidance when it compiles the schema:
   it refuses (a compile error) what it cannot enforce exactly, e.g. `not`, `oneOf` branches
   it cannot prove disjoint, `uniqueItems`, `dependentRequired`, unknown `format`s, and
-  otherwise enforces what xgrammar approximates (`allOf`, length bounds next to a
-  `pattern`, large length bounds). When llguidance refuses too, xgrammar compiles it and the
-  keywords it does not enforce are reported; with options.strict such a schema is refused.
+  otherwise enforces what xgrammar approximates (`allOf`, length bounds next to a `pattern`,
+  large length bounds). When llguidance refuses, it compiles the schema leniently: what it
+  cannot enforce (`not`, `uniqueItems`, `if`, `contains`, an unknown `format`, ...) is
+  ignored, a `oneOf` it cannot prove disjoint becomes `anyOf` (as on xgrammar), and each is
+  reported from its warnings (grammar_service.unenforced.llguidance_unenforced): everything
+  else stays exact, which is more than xgrammar enforces, and it compiles far faster.
+  xgrammar compiles it when the lenient compile fails too (or a warning is not understood),
+  its unenforced keywords reported (grammar_service.unenforced). With options.strict a
+  schema with anything unenforced is refused.
+  Property order is fixed on both backends: the listed properties in the schema's order,
+  then any unlisted ones.
 - json_object: llguidance (both exact; llguidance is faster to build and to mask).
 - regex, choice: xgrammar (both exact; xgrammar is faster for the small grammars these are).
 - ebnf (xgrammar's dialect), structural_tag: xgrammar, whose formats they are.
@@ -39,10 +47,11 @@ Pure and cheap; the compile pool's children call `compile_spec`.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 from grammar_service.backends import LLGUIDANCE, XGRAMMAR, BackendError
-from grammar_service.unenforced import find_unenforced
+from grammar_service.unenforced import find_unenforced, llguidance_unenforced
 
 # Kinds whose auto choice does not depend on the spec, with the reason reported.
 _STATIC = {
@@ -98,10 +107,36 @@ def compile_spec(spec, backends: dict) -> Compiled:
     except BackendError as exc:
         refusal = str(exc)
     unenforced = tuple(find_unenforced(json.loads(spec.text)))
+    if unenforced:  # else xgrammar enforces it all (e.g. a format only it knows)
+        lenient = _lenient(backends[LLGUIDANCE], spec)
+        if lenient is not None:
+            return lenient
     reason = f"auto: {_first_line(refusal)}; xgrammar compiles it"
     if unenforced:
         reason += f" without enforcing {', '.join(unenforced)}"
     return _with(backends[XGRAMMAR], spec, reason)
+
+
+def _lenient(backend, spec) -> Compiled | None:
+    """llguidance ignoring (or, for oneOf, approximating) what it cannot enforce, all of it
+    reported from its warnings; None when it still refuses, or says something we cannot
+    turn into a report."""
+    start = time.perf_counter()
+    try:
+        compiled = backend.compile(spec, lenient=True)
+    except BackendError:
+        return None
+    seconds = time.perf_counter() - start
+    paths = llguidance_unenforced(json.loads(spec.text), compiled.warnings)
+    if not paths:
+        return None
+    if spec.options.strict:
+        raise StrictRefused(f"schema uses keywords no backend enforces: {', '.join(paths)} "
+                            "(unset options.strict to accept an approximation)")
+    reason = ("auto: llguidance enforces every keyword of this schema but those it reports "
+              f"({'; '.join(compiled.warnings)})")
+    return Compiled(backend.name, _first_line(reason), tuple(paths),
+                    backend.serialize(compiled, spec, seconds))
 
 
 def _with(backend, spec, reason: str) -> Compiled:
@@ -113,13 +148,15 @@ def _with(backend, spec, reason: str) -> Compiled:
                 "schema uses keywords the compiled grammar does not enforce: "
                 f"{', '.join(unenforced)} (llguidance refuses this schema too, or xgrammar "
                 "was forced; unset options.strict to accept an approximation)")
+    start = time.perf_counter()
     try:
         compiled = backend.compile(spec)
     except (MemoryError, BackendError):
         raise
     except Exception as exc:  # xgrammar raises RuntimeError and its own types
         raise BackendError(str(exc).strip(), backend.name) from None
-    return Compiled(backend.name, reason, unenforced, backend.serialize(compiled))
+    seconds = time.perf_counter() - start
+    return Compiled(backend.name, reason, unenforced, backend.serialize(compiled, spec, seconds))
 
 
 def _first_line(message: str) -> str:

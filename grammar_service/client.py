@@ -8,15 +8,6 @@ from protos import common_pb2, grammar_pb2, grammar_pb2_grpc
 from protos.rpc import FailedPrecondition
 
 
-def fetch_serialized(stub: grammar_pb2_grpc.GrammarServiceStub, key: str, *,
-                     spec: common_pb2.GrammarSpec | None = None,
-                     expected_fingerprint: str | None = None,
-                     timeout: float | None = None) -> str:
-    """The serialized compiled grammar of `key` as text; `fetch_grammar` without the backend."""
-    return fetch_grammar(stub, key, spec=spec, expected_fingerprint=expected_fingerprint,
-                         timeout=timeout)[1].decode()
-
-
 def fetch_grammar(stub: grammar_pb2_grpc.GrammarServiceStub, key: str, *,
                   spec: common_pb2.GrammarSpec | None = None,
                   expected_fingerprint: str | None = None,

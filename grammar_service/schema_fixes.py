@@ -12,10 +12,20 @@ bound (measured, 4k vocabulary, one thread: 256 → 20 ms, 512 → 75 ms, 1024 �
 left as written and `unenforced.find_unenforced` reports the keyword instead. llguidance
 enforces length bounds in its lexer and needs none of this.
 
-llguidance, unlisted properties (`forbid_unlisted_properties`): `allow_unlisted_properties`
-off (the default) must mean on llguidance what xgrammar's strict_mode means, so an object
-schema that lists `properties` and says nothing about other properties gets
-`additionalProperties: false`.
+Both backends, integral bounds (`integral_bounds`, part of both fixes below): a bound such
+as `maxLength: 2.0` is the integer 2 to JSON Schema; xgrammar ignored it (accepting any
+length) and llguidance refused the schema, so such values become integers.
+
+llguidance, date and time formats (`fix_schema_llguidance`): llguidance's `date`,
+`time` and `date-time` accept 29 February of any year and a leap second at any minute. Such a
+`format` becomes the pattern `FORMAT_PATTERNS` gives (beside any pattern already there, in
+an `allOf`, which llguidance intersects): exact leap years, and a leap second only as
+23:59:60 in UTC (`Z` or `±00:00`), so the rare leap second written with another offset is
+refused rather than an invalid time accepted.
+
+options.strict, unlisted properties (`forbid_unlisted_properties`): strict must mean on
+llguidance what xgrammar's strict_mode means, so an object schema that lists `properties`
+and says nothing about other properties gets `additionalProperties: false`.
 """
 
 from __future__ import annotations
@@ -36,9 +46,56 @@ _COMBINED = frozenset({"additionalProperties", "unevaluatedProperties", "pattern
                        "allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas"})
 
 
+_DIGIT = "[0-9]"  # not \\d: llguidance's \\d is any Unicode digit
+_LEAP_YEAR = (f"(?:{_DIGIT}{_DIGIT}(?:0[48]|[2468][048]|[13579][26])"
+              "|(?:[02468][048]|[13579][26])00)")
+_DATE = (f"(?:{_DIGIT}{{4}}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]{_DIGIT}|3[01])"
+         f"|(?:0[469]|11)-(?:0[1-9]|[12]{_DIGIT}|30)|02-(?:0[1-9]|1{_DIGIT}|2[0-8]))"
+         f"|{_LEAP_YEAR}-02-29)")
+_FRACTION = f"(?:\\.{_DIGIT}+)?"
+_TIME = (f"(?:(?:[01]{_DIGIT}|2[0-3]):[0-5]{_DIGIT}:[0-5]{_DIGIT}{_FRACTION}"
+         f"(?:[Zz]|[+-](?:[01]{_DIGIT}|2[0-3]):[0-5]{_DIGIT})"
+         f"|23:59:60{_FRACTION}(?:[Zz]|[+-]00:00))")
+# RFC 3339 full-date, full-time and date-time, as JSON Schema's formats (see above).
+FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$",
+                   "date-time": f"^{_DATE}[Tt]{_TIME}$"}
+# Keywords whose value is a count: 2.0 means 2.
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+           "minContains", "maxContains")
+
+
 def fix_schema(schema: Any) -> Any:
-    """A copy of `schema` with the xgrammar rewrite applied at every depth (no state changed)."""
-    return _map(schema, _fix_node)
+    """A copy of `schema` with the xgrammar rewrites (integral bounds, bounded strings)
+    applied at every depth (no state changed)."""
+    return _map(schema, lambda node: _fix_node(_integral_node(node)))
+
+
+def fix_schema_llguidance(schema: Any) -> Any:
+    """A copy of `schema` with the llguidance rewrites (integral bounds, exact date and time
+    formats) applied at every depth (no state changed)."""
+    return _map(schema, lambda node: _format_node(_integral_node(node)))
+
+
+def _integral_node(node: dict) -> dict:
+    for key in _COUNTS:
+        value = node.get(key)
+        if isinstance(value, float) and value.is_integer() and value >= 0:
+            node[key] = int(value)
+    return node
+
+
+def _format_node(node: dict) -> dict:
+    pattern = FORMAT_PATTERNS.get(node.get("format")) if isinstance(node.get("format"), str) \
+        else None
+    if pattern is None:
+        return node
+    del node["format"]
+    if "pattern" not in node:
+        node["pattern"] = pattern
+    else:
+        all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+        node["allOf"] = [*all_of, {"pattern": pattern}]
+    return node
 
 
 def forbid_unlisted_properties(schema: Any) -> Any:

@@ -55,15 +55,16 @@ class GrammarOptions:
 
     whitespace: "bounded", "compact" or "any" (JSON kinds; "bounded" otherwise, unused).
     max_whitespace: the bound with "bounded" JSON grammars, else 0.
-    strict: refuse schemas with unenforced keywords (json_schema only).
-    allow_unlisted_properties: allow properties a schema does not list (json_schema only).
+    strict: json_schema only; forbid properties the schema does not list, everywhere, and
+        refuse schemas with keywords the chosen backend does not enforce (OpenAI's strict).
+        Off: JSON Schema's meaning, unlisted properties allowed unless the schema says
+        `additionalProperties: false`.
     backend: "auto", "xgrammar" or "llguidance" (every kind).
     """
 
     whitespace: str = "bounded"
     max_whitespace: int = 0
     strict: bool = False
-    allow_unlisted_properties: bool = False
     backend: str = "auto"
 
 
@@ -176,10 +177,9 @@ def _parse_options(opts: common_pb2.GrammarOptions, kind: str, field: str) -> Gr
             raise InvalidArgument(f"whitespace options apply only to {' and '.join(JSON_KINDS)}, "
                                   f"not {kind}", field=f"{field}.whitespace")
     if kind != "json_schema":
-        for name in ("strict", "allow_unlisted_properties"):
-            if getattr(opts, name):
-                raise InvalidArgument(f"applies only to json_schema, not {kind}",
-                                      field=f"{field}.{name}")
+        if opts.strict:
+            raise InvalidArgument(f"applies only to json_schema, not {kind}",
+                                  field=f"{field}.strict")
     if kind not in JSON_KINDS:
         return GrammarOptions(backend=backend)
     max_ws = 0
@@ -192,8 +192,7 @@ def _parse_options(opts: common_pb2.GrammarOptions, kind: str, field: str) -> Gr
     elif opts.max_whitespace:
         raise InvalidArgument("applies only with WHITESPACE_BOUNDED",
                               field=f"{field}.max_whitespace")
-    return GrammarOptions(whitespace, max_ws, opts.strict, opts.allow_unlisted_properties,
-                          backend)
+    return GrammarOptions(whitespace, max_ws, opts.strict, backend)
 
 
 def _check_size(text: str, field: str, max_spec_bytes: int) -> None:

@@ -1,7 +1,8 @@
-"""JSON Schema keywords xgrammar 0.2.9 compiles without enforcing, and the walk that finds them.
+"""JSON Schema keywords a backend compiles without enforcing, and the walks that find them.
 
-The table is xgrammar's: a grammar compiled by llguidance enforces what it compiles (it
-refuses the rest), so nothing is reported for it (see grammar_service.choice).
+The table is xgrammar's. llguidance refuses what it cannot enforce, or, compiled leniently,
+says in its warnings what it ignored or approximated; `llguidance_unenforced` turns those
+warnings into the same kind of report (see grammar_service.choice).
 
 Each entry of UNENFORCED carries its evidence: a schema using the keyword and an instance on
 which xgrammar's compiled grammar and the schema disagree (the schema rejects it and the
@@ -11,7 +12,7 @@ the entry can be dropped. Keywords found enforced when this table was made (so a
 minLength/maxLength without a pattern (up to the rewrite cap of schema_fixes), minimum/maximum and their exclusive forms,
 multipleOf (integer, on type integer, no range), enum, const, propertyNames, min/maxProperties, min/maxItems, prefixItems,
 anyOf, additionalProperties, unevaluatedProperties/Items, local $ref, and the formats in
-ENFORCED_FORMATS.
+ENFORCED_FORMATS, each on a node that names its `type` (see TYPE_KEYWORDS).
 
 Reported paths: the keyword's location from the schema root, joined by dots, array indices
 as numbers: `not`, `properties.name.minLength`, `anyOf.1.format`.
@@ -19,6 +20,8 @@ as numbers: `not`, `properties.name.minLength`, `anyOf.1.format`.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -57,6 +60,31 @@ def _multiple_not_plain_integer(node: dict) -> bool:
     value = node.get("multipleOf")
     plain = isinstance(value, int) and node.get("type") == "integer"
     return not plain or any(k in node for k in _RANGE)
+
+
+# Beside a $ref, these say nothing about the instance.
+_NOT_ASSERTIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$anchor",
+                             "$comment", "title", "description", "default", "examples"})
+
+
+def _ref_with_siblings(node: dict) -> bool:
+    return bool(node.keys() - _NOT_ASSERTIONS)
+
+
+def _lookaround(node: dict) -> bool:
+    pattern = node.get("pattern")
+    return isinstance(pattern, str) and any(a in pattern for a in ("(?=", "(?!", "(?<"))
+
+
+def _requires_unlisted(node: dict) -> bool:
+    listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    return any(name not in listed for name in required)
+
+
+def _escaped_property_name(node: dict) -> bool:
+    names = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    return any(c in '"\\' or c < " " for name in names for c in name)
 
 
 @dataclass(frozen=True)
@@ -117,7 +145,52 @@ UNENFORCED: tuple[Unenforced, ...] = (
     Unenforced("patternProperties", _always,
                {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, {"xa": 1},
                "ignored: matching properties are refused as unlisted"),
+    Unenforced("required", _requires_unlisted,
+               {"type": "object", "required": ["a"]}, {},
+               "a required property missing from `properties` is refused with unlisted "
+               "properties forbidden, and not required with them allowed"),
+    Unenforced("properties", _escaped_property_name,
+               {"properties": {'foo"bar': {"type": "number"}}}, {'foo"bar': "1"},
+               "a property name that needs a JSON escape is never matched: refused with "
+               "unlisted properties forbidden, taken with any value with them allowed"),
+    Unenforced("pattern", _lookaround,
+               {"type": "string", "pattern": "^(?!x).*$"}, "xa",
+               "lookahead and lookbehind assertions are ignored"),
+    Unenforced("$ref", _ref_with_siblings,
+               {"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "maximum": 5}, 9,
+               "keywords beside a $ref are ignored (the referenced schema alone applies)"),
 )
+
+# Keywords that constrain one instance type. On a node that names no `type` and has no
+# keyword xgrammar infers one from (_INFERS), xgrammar 0.2.9 compiles "any JSON value" and
+# ignores them: {"maxLength": 1} accepts "abc". Each has its evidence in TYPELESS_EXAMPLES.
+TYPE_KEYWORDS = {
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "array": ("minItems", "maxItems"),
+    "object": ("required", "minProperties", "maxProperties", "propertyNames"),
+}
+_INFERS = {"object": ("properties", "additionalProperties", "patternProperties"),
+           "array": ("items", "prefixItems")}
+_FAMILY = {keyword: family for family, keywords in TYPE_KEYWORDS.items() for keyword in keywords}
+TYPELESS_EXAMPLES = {
+    "minLength": ({"minLength": 3}, "a"), "maxLength": ({"maxLength": 1}, "abc"),
+    "pattern": ({"pattern": "^a$"}, "b"), "format": ({"format": "ipv4"}, "x"),
+    "minimum": ({"minimum": 3}, 1), "maximum": ({"maximum": 3}, 9),
+    "exclusiveMinimum": ({"exclusiveMinimum": 3}, 3),
+    "exclusiveMaximum": ({"exclusiveMaximum": 3}, 3), "multipleOf": ({"multipleOf": 2}, 3),
+    "minItems": ({"minItems": 2}, [1]), "maxItems": ({"maxItems": 1}, [1, 2]),
+    "required": ({"required": ["a"]}, {}), "minProperties": ({"minProperties": 1}, {}),
+    "maxProperties": ({"maxProperties": 0}, {"a": 1}),
+    "propertyNames": ({"propertyNames": {"maxLength": 1}}, {"ab": 1}),
+}
+
+
+def _typeless(node: dict, keyword: str) -> bool:
+    family = _FAMILY.get(keyword)
+    if family is None or "type" in node:
+        return False
+    return not any(k in node for k in _INFERS.get(family, ()))
 
 _BY_KEYWORD = {entry.keyword: entry for entry in UNENFORCED}
 
@@ -141,7 +214,7 @@ def _walk(node, path: str) -> Iterator[str]:
         return
     for keyword in node:
         entry = _BY_KEYWORD.get(keyword)
-        if entry is not None and entry.applies(node):
+        if (entry is not None and entry.applies(node)) or _typeless(node, keyword):
             yield _join(path, keyword)
     for keyword in _ONE:
         if isinstance(node.get(keyword), dict):
@@ -161,3 +234,54 @@ def _walk(node, path: str) -> Iterator[str]:
 
 def _join(path: str, part: str) -> str:
     return f"{path}.{part}" if path else part
+
+
+# llguidance's lenient warnings (1.9.1) and the keywords they name; any other warning makes
+# `llguidance_unenforced` give up, so nothing llguidance relaxed goes unreported.
+_LLG_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*)\]')
+_LLG_FORMAT = re.compile(r"Unknown format: (.+)")
+_LLG_ONE_OF = "oneOf not fully supported, falling back to anyOf"
+
+
+def llguidance_unenforced(schema, warnings) -> list[str] | None:
+    """Paths in `schema` of the keywords llguidance's lenient `warnings` say it did not
+    enforce (every occurrence of a named keyword, every `format` with a named value), or
+    None when a warning is not one of the known kinds (then the grammar must not be used).
+    Pure."""
+    keywords: set[str] = set()
+    formats: set[str] = set()
+    for warning in warnings:
+        if (m := _LLG_UNIMPLEMENTED.fullmatch(warning)) is not None:
+            try:
+                keywords.update(json.loads(f"[{m.group(1)}]"))
+            except ValueError:
+                return None
+        elif (m := _LLG_FORMAT.fullmatch(warning)) is not None:
+            formats.add(m.group(1))
+        elif warning.startswith(_LLG_ONE_OF):
+            keywords.add("oneOf")
+        else:
+            return None
+    paths = list(_walk_keywords(schema, "", keywords, formats))
+    return paths if paths or not (keywords or formats) else None
+
+
+def _walk_keywords(node, path: str, keywords: set[str], formats: set[str]) -> Iterator[str]:
+    if not isinstance(node, dict):
+        return
+    for keyword in node:
+        if keyword in keywords or (keyword == "format" and node[keyword] in formats):
+            yield _join(path, keyword)
+    for keyword, value in node.items():
+        if keyword in ("enum", "const", "default", "examples"):
+            continue
+        if isinstance(value, dict):
+            if keyword in _MAP or keyword == "dependencies":
+                for name, sub in value.items():
+                    yield from _walk_keywords(sub, _join(path, f"{keyword}.{name}"), keywords,
+                                              formats)
+            else:
+                yield from _walk_keywords(value, _join(path, keyword), keywords, formats)
+        elif isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield from _walk_keywords(sub, _join(path, f"{keyword}.{i}"), keywords, formats)

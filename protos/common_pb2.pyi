@@ -47,18 +47,16 @@ FINISH_REASON_ERROR_DIVERGENCE: FinishReason
 FINISH_REASON_ERROR_INTERNAL: FinishReason
 
 class GrammarOptions(_message.Message):
-    __slots__ = ("whitespace", "max_whitespace", "strict", "allow_unlisted_properties", "backend")
+    __slots__ = ("whitespace", "max_whitespace", "strict", "backend")
     WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     MAX_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
-    ALLOW_UNLISTED_PROPERTIES_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     whitespace: Whitespace
     max_whitespace: int
     strict: bool
-    allow_unlisted_properties: bool
     backend: GrammarBackend
-    def __init__(self, whitespace: _Optional[_Union[Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., strict: _Optional[bool] = ..., allow_unlisted_properties: _Optional[bool] = ..., backend: _Optional[_Union[GrammarBackend, str]] = ...) -> None: ...
+    def __init__(self, whitespace: _Optional[_Union[Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., strict: _Optional[bool] = ..., backend: _Optional[_Union[GrammarBackend, str]] = ...) -> None: ...
 
 class ChoiceList(_message.Message):
     __slots__ = ("choices",)

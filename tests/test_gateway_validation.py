@@ -8,6 +8,7 @@ import pytest
 from gateway.validation import (
     Limits,
     check_output_against_schema,
+    checked_formats,
     constraint_kind,
     validate_request,
 )
@@ -103,3 +104,15 @@ def test_truncated_output_is_not_valid():
 
 def test_matching_output_is_valid():
     assert check_output_against_schema(SCHEMA, '{"n": 3}') == (True, "")
+
+
+@pytest.mark.parametrize("fmt,bad", [
+    ("ipv4", "999.1.1.1"), ("ipv6", "1:::2"), ("date", "2023-02-29"), ("date-time", "2023-01-01"),
+    ("time", "25:00:00Z"), ("email", "no-at-sign"), ("uuid", "x"), ("uri", "no scheme"),
+    ("hostname", "-bad-"), ("duration", "P1"), ("uri-reference", "\\\\x")])
+def test_output_check_asserts_the_formats_it_claims(fmt, bad):
+    assert fmt in checked_formats()
+    schema = json.dumps({"type": "object", "properties": {"v": {"type": "string",
+                                                                 "format": fmt}}})
+    valid, why = check_output_against_schema(schema, json.dumps({"v": bad}))
+    assert not valid and "v" in why, (fmt, why)

@@ -81,6 +81,7 @@ PATTERN_LENGTH = {"type": "object", "properties": {
     "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}, "required": ["code"]}
 ONE_OF = {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}
 NOT = {"type": "integer", "not": {"const": 3}}
+LOOKAHEAD = {"type": "string", "pattern": "^(?!x).*$"}
 
 ENFORCED_BY_LLGUIDANCE = {
     "allOf": (ALL_OF, "4", "9"),
@@ -178,9 +179,15 @@ AUTO_CASES = {
         ()),
     "schema_llguidance_enforces": (dict(json_schema=json.dumps(ALL_OF)), LLGUIDANCE,
                                    "llguidance enforces every keyword", ()),
-    "schema_llguidance_refuses": (dict(json_schema=json.dumps(NOT)), XGRAMMAR,
-                                  'Unimplemented keys: ["not"]; xgrammar compiles it '
-                                  "without enforcing not", ("not",)),
+    "schema_llguidance_ignores_and_reports": (dict(json_schema=json.dumps(NOT)), LLGUIDANCE,
+                                              'but those it reports (Unimplemented keys: '
+                                              '["not"])', ("not",)),
+    "schema_llguidance_refuses": (dict(json_schema=json.dumps(LOOKAHEAD)), XGRAMMAR,
+                                  "xgrammar compiles it without enforcing pattern",
+                                  ("pattern",)),
+    "schema_overlapping_one_of": (dict(json_schema=json.dumps(ONE_OF)), LLGUIDANCE,
+                                  "oneOf not fully supported, falling back to anyOf",
+                                  ("oneOf",)),
     "json_object": (dict(json_object=common_pb2.JsonObject()), LLGUIDANCE,
                     "llguidance builds and masks faster", ()),
     "regex": (dict(regex="[0-9]+"), XGRAMMAR, "xgrammar compiles and masks faster", ()),
@@ -213,6 +220,41 @@ def test_forcing_a_backend_overrides_the_rule_and_reports_what_it_leaves_out(bac
     assert forced.backend == LLGUIDANCE
     with pytest.raises(BackendError, match="not"):
         compile_spec(schema_spec(NOT, backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE), backends)
+
+
+def test_what_llguidance_cannot_enforce_is_reported_and_the_rest_stays_exact(
+        backends, ranks, vocab):
+    schema = {"type": "object", "properties": {
+        "v": ONE_OF, "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3},
+        "tags": {"type": "array", "items": {"type": "string", "format": "regex"},
+                 "uniqueItems": True}},
+        "required": ["v", "code"]}
+    compiled = compile_spec(schema_spec(schema), backends)
+    assert compiled.backend == LLGUIDANCE
+    assert sorted(compiled.unenforced) == ["properties.tags.items.format",
+                                           "properties.tags.uniqueItems", "properties.v.oneOf"]
+    m = ranks[LLGUIDANCE].new_matcher(ranks[LLGUIDANCE].deserialize(compiled.payload))
+    assert accepts(m, vocab, '{"v": 1.5, "code": "abc"}')
+    assert accepts(m, vocab, '{"v": 3, "code": "abc"}')  # in both branches: the approximation
+    assert accepts(m, vocab, '{"v": 3, "code": "abc", "tags": ["a", "a"]}')  # ignored
+    assert not accepts(m, vocab, '{"v": 3, "code": "abcd"}')  # maxLength with a pattern: exact
+    with pytest.raises(StrictRefused, match="properties.v.oneOf"):
+        compile_spec(schema_spec(schema, strict=True), backends)
+
+
+@pytest.mark.parametrize("warnings,paths", [
+    (['Unimplemented keys: ["not", "if"]'], ["if", "properties.a.not"]),
+    (["Unknown format: regex"], ["properties.a.format"]),
+    (["oneOf not fully supported, falling back to anyOf. This may cause errors."], ["oneOf"]),
+    (["Something new llguidance says"], None),
+    (['Unimplemented keys: ["dependentRequired"]'], None),  # not in the schema: not understood
+])
+def test_llguidance_warnings_become_reported_paths_or_nothing_is_trusted(warnings, paths):
+    from grammar_service.unenforced import llguidance_unenforced
+
+    schema = {"properties": {"a": {"format": "regex", "not": {"const": 1}}},
+              "oneOf": [{}], "if": {}, "enum": [{"not": 1}]}
+    assert llguidance_unenforced(schema, warnings) == paths
 
 
 def test_strict_refuses_only_what_no_backend_enforces(backends):
@@ -257,6 +299,25 @@ def test_payloads_and_compiled_grammars_only_pair_with_their_backend(backends, r
             ranks[name].new_matcher(compiled[other])
 
 
+def test_an_xgrammar_grammar_cheaper_to_compile_than_to_move_travels_as_its_spec(
+        backends, ranks, vocab):
+    spec = schema_spec({"type": "object", "properties": {"n": {"type": "integer"}}},
+                       backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR)
+    compiled = backends[XGRAMMAR].compile(spec)
+    serialised = backends[XGRAMMAR].serialize(compiled, spec, compile_seconds=3600.0)
+    as_spec = backends[XGRAMMAR].serialize(compiled, spec, compile_seconds=1e-6)
+    assert serialised == backends[XGRAMMAR].serialize(compiled)  # worth fetching: the form
+    assert len(as_spec) < 1000 < len(serialised)
+    for payload in (serialised, as_spec):
+        m = ranks[XGRAMMAR].new_matcher(ranks[XGRAMMAR].deserialize(payload))
+        assert accepts(m, vocab, '{"n": 12}') and not accepts(m, vocab, '{"n": "x"}')
+    with pytest.raises(BackendError):
+        ranks[LLGUIDANCE].deserialize(as_spec)
+    # The service's path: a small grammar on a small vocabulary compiles in milliseconds,
+    # faster than its serialised form could be read back, so its spec travels.
+    assert compile_spec(spec, backends).payload.startswith(b'{"format":"gramserve-xgrammar-spec')
+
+
 def test_llguidance_bounds_long_strings_without_the_rewrite_and_xgrammar_reports_them(
         backends, ranks, vocab):
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8192}},
@@ -270,15 +331,49 @@ def test_llguidance_bounds_long_strings_without_the_rewrite_and_xgrammar_reports
     assert forced.unenforced == ("properties.s.maxLength",)
 
 
-def test_unlisted_properties_mean_the_same_on_both_backends(backends, ranks, vocab):
+def test_unlisted_properties_are_allowed_by_default_and_forbidden_by_strict_on_both_backends(
+        backends, ranks, vocab):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    closed = {**schema, "additionalProperties": False}
     extra = '{"a": 1, "b": 2}'
-    for allow in (False, True):
-        spec = schema_spec(schema, allow_unlisted_properties=allow)
+    for strict in (False, True):
         for name in (XGRAMMAR, LLGUIDANCE):
-            m = round_trip(backends, ranks, spec, name)
+            m = round_trip(backends, ranks, schema_spec(schema, strict=strict), name)
             assert accepts(m, vocab, '{"a": 1}')
-            assert accepts(m, vocab, extra) == allow, (name, allow)
+            assert accepts(m, vocab, extra) == (not strict), (name, strict)
+            m = round_trip(backends, ranks, schema_spec(closed, strict=strict), name)
+            assert not accepts(m, vocab, extra), (name, strict)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "maxLength": 6}, {"type": "string", "pattern": "^a.*b$"},
+    {"type": "string", "minLength": 1, "maxLength": 8192}])
+def test_json_escapes_are_accepted_inside_bounded_and_pattern_strings_by_default(
+        backends, ranks, vocab, schema):
+    # llguidance enforces bounds and patterns on the decoded string; xgrammar refuses escapes
+    # in such strings, so the default path must not choose it for them.
+    compiled = compile_spec(schema_spec(schema), backends)
+    assert compiled.backend == LLGUIDANCE
+    rank = ranks[LLGUIDANCE]
+    m = rank.new_matcher(rank.deserialize(compiled.payload))
+    for text in ('"a\\"b"', '"a\\\\b"', '"a\\tb"'):
+        assert valid(schema, json.loads(text)) and accepts(m, vocab, text), text
+    assert not accepts(m, vocab, '"a\tb"')  # a raw control character is not JSON
+
+
+@pytest.mark.parametrize("fmt,good,bad", [
+    ("date", "2024-02-29", "2023-02-29"), ("date", "2000-02-29", "1900-02-29"),
+    ("time", "23:59:60Z", "22:59:60Z"), ("date-time", "2024-02-29T10:00:00Z",
+                                          "2021-02-29T10:00:00Z")])
+def test_llguidance_checks_leap_days_and_leap_seconds_of_date_and_time_formats(
+        backends, ranks, vocab, fmt, good, bad):
+    schema = {"type": "string", "format": fmt}
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    assert not checker.conforms(bad, fmt)  # (jsonschema refuses every leap second)
+    compiled = compile_spec(schema_spec(schema), backends)
+    assert compiled.backend == LLGUIDANCE
+    m = ranks[LLGUIDANCE].new_matcher(ranks[LLGUIDANCE].deserialize(compiled.payload))
+    assert accepts(m, vocab, json.dumps(good)) and not accepts(m, vocab, json.dumps(bad))
 
 
 @pytest.mark.parametrize("whitespace,text,ok", [

@@ -1,6 +1,8 @@
 """Schema rewrites: length-bounded JSON strings compile to grammars that refuse raw control
 characters (xgrammar 0.2.9 accepts them from the schema as written, which makes invalid JSON),
-up to a cap; unlisted properties are forbidden for llguidance as xgrammar's strict mode does."""
+up to a cap; counts written as 2.0 are integers; llguidance's date and time formats become
+exact patterns; under options.strict unlisted properties are forbidden for llguidance as
+xgrammar's strict mode does."""
 
 import json
 
@@ -9,8 +11,10 @@ import xgrammar as xgr
 
 from grammar_service.default_model import ensure_default_model
 from grammar_service.schema_fixes import (
+    FORMAT_PATTERNS,
     MAX_REWRITTEN_LENGTH,
     fix_schema,
+    fix_schema_llguidance,
     forbid_unlisted_properties,
 )
 from grammar_service.unenforced import find_unenforced
@@ -82,3 +86,39 @@ def test_unlisted_properties_are_forbidden_where_that_keeps_the_schemas_meaning(
     assert props["both"] == schema["properties"]["both"]  # allOf branches list parts only
     assert props["enum"] == schema["properties"]["enum"]  # data, not a schema
     assert "additionalProperties" not in schema  # the input is not changed
+
+
+def test_counts_written_as_integral_floats_become_integers_for_both_backends():
+    schema = {"type": "array", "maxItems": 2.0, "items": {"type": "string", "minLength": 1.0}}
+    for fixed in (fix_schema(schema), fix_schema_llguidance(schema)):
+        assert fixed["maxItems"] == 2 and isinstance(fixed["maxItems"], int)
+        assert fixed["items"].get("minLength", 1) == 1
+    assert fix_schema_llguidance({"maxLength": 2.5}) == {"maxLength": 2.5}  # invalid, kept
+    assert schema["maxItems"] == 2.0  # the input is not changed
+
+
+def test_date_and_time_formats_become_patterns_beside_any_pattern_already_there():
+    assert fix_schema_llguidance({"type": "string", "format": "date"}) == {
+        "type": "string", "pattern": FORMAT_PATTERNS["date"]}
+    both = fix_schema_llguidance({"type": "string", "format": "time", "pattern": "^1"})
+    assert both == {"type": "string", "pattern": "^1",
+                    "allOf": [{"pattern": FORMAT_PATTERNS["time"]}]}
+    assert fix_schema_llguidance({"format": "email"}) == {"format": "email"}
+    assert fix_schema_llguidance({"enum": [{"format": "date"}]}) == {
+        "enum": [{"format": "date"}]}  # data, not a schema
+
+
+@pytest.mark.parametrize("fmt,text,ok", [
+    ("date", "2024-02-29", True), ("date", "2023-02-29", False), ("date", "2000-02-29", True),
+    ("date", "2100-02-29", False), ("date", "2023-04-31", False), ("date", "2023-12-31", True),
+    ("date", "2023-1-01", False), ("date", "\u09ea023-01-01", False),
+    ("time", "23:59:60Z", True), ("time", "23:59:60+00:00", True), ("time", "12:59:60Z", False),
+    ("time", "08:30:06.283185Z", True), ("time", "08:30:06", False), ("time", "24:00:00Z", False),
+    ("date-time", "1963-06-19T08:30:06.28123+01:00", True),
+    ("date-time", "1963-06-19t08:30:06z", True), ("date-time", "1963-06-19 08:30:06Z", False),
+])
+def test_format_patterns_match_rfc3339_with_leap_days_and_utc_leap_seconds(fmt, text, ok):
+    import re
+
+    text = text.encode().decode("unicode_escape")
+    assert (re.fullmatch(FORMAT_PATTERNS[fmt], text) is not None) == ok

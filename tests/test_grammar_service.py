@@ -14,11 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import xgrammar as xgr
 from prometheus_client import CollectorRegistry
 
 from grammar_service.backends import backend_for
-from grammar_service.client import fetch_grammar, fetch_serialized
+from grammar_service.client import fetch_grammar
 from grammar_service.compile_pool import TEST_HOOKS_ENV
 from grammar_service.config import GrammarServiceConfig
 from grammar_service.default_model import ensure_default_model
@@ -163,7 +162,11 @@ def test_unenforced_keywords_are_reported_and_strict_refuses_them(served):
         "name": {"type": "string", "pattern": "^[a-z]+$", "minLength": 3},
         "n": {"type": "integer", "not": {"const": 0}}}})
     ref = compile_(stub, json_schema=schema)
-    assert list(ref.unenforced_keywords) == ["properties.name.minLength", "properties.n.not"]
+    # llguidance ignores `not` (reported) and enforces minLength beside the pattern
+    assert ref.backend == "llguidance" and list(ref.unenforced_keywords) == ["properties.n.not"]
+    forced = compile_(stub, json_schema=schema, options=common_pb2.GrammarOptions(
+        backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR))
+    assert list(forced.unenforced_keywords) == ["properties.name.minLength", "properties.n.not"]
     with pytest.raises(grpc.RpcError) as err:
         compile_(stub, json_schema=schema, options=common_pb2.GrammarOptions(strict=True))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -282,8 +285,8 @@ def test_fetch_recompiles_an_evicted_key_from_its_spec(served, vocab):
     with service.cache._lock:  # simulate eviction of exactly this entry
         entry = service.cache._entries.pop(ref.key)
         service.cache._bytes -= len(entry.payload)
-    text = fetch_serialized(stub, ref.key, spec=spec, timeout=60)
-    assert xgr.CompiledGrammar.deserialize_json(text, vocab.tokenizer_info())
+    name, payload = fetch_grammar(stub, ref.key, spec=spec, timeout=60)
+    assert backend_for(vocab, name).deserialize(payload)  # the form, or the spec compiled
 
 
 HOOK_FAILURES = {

@@ -13,7 +13,13 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from grammar_service.unenforced import ENFORCED_FORMATS, UNENFORCED, find_unenforced
+from grammar_service.unenforced import (
+    ENFORCED_FORMATS,
+    TYPE_KEYWORDS,
+    TYPELESS_EXAMPLES,
+    UNENFORCED,
+    find_unenforced,
+)
 
 STOP = 256
 
@@ -26,9 +32,11 @@ def compiler():
     return xgr.GrammarCompiler(info, max_threads=1)
 
 
-def grammar_accepts(compiler, schema, instance) -> bool:
+def grammar_accepts(compiler, schema, instance, strict_mode: bool = False) -> bool:
+    """Whether xgrammar's grammar takes `instance`; strict_mode False is gramserve's default
+    (unlisted properties allowed), True its options.strict."""
     grammar = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                           separators=(",", ":"))
+                                           separators=(",", ":"), strict_mode=strict_mode)
     matcher = xgr.GrammarMatcher(grammar)
     text = json.dumps(instance, separators=(",", ":"))
     return matcher.accept_string(text) and matcher.accept_token(STOP) and matcher.is_terminated()
@@ -44,6 +52,24 @@ def test_xgrammar_still_does_not_enforce_keyword(compiler, entry):
     schema, instance = entry.example_schema, entry.example_instance
     assert grammar_accepts(compiler, schema, instance) != schema_accepts(schema, instance)
     assert entry.keyword in find_unenforced(schema)
+
+
+@pytest.mark.parametrize("keyword", sorted(TYPELESS_EXAMPLES))
+def test_xgrammar_ignores_type_keywords_on_a_node_without_type(compiler, keyword):
+    schema, bad = TYPELESS_EXAMPLES[keyword]
+    assert not schema_accepts(schema, bad) and grammar_accepts(compiler, schema, bad)
+    assert find_unenforced(schema)[0] == keyword
+    family = next(f for f, kws in TYPE_KEYWORDS.items() if keyword in kws)
+    typed = {**schema, "type": "integer" if family == "number" else family}
+    if keyword == "required":  # a required property must be listed too (see UNENFORCED)
+        typed["properties"] = {"a": {}}
+    if keyword != "format":  # ipv4 is among the enforced formats
+        assert keyword not in find_unenforced(typed)
+        assert not grammar_accepts(compiler, typed, bad, strict_mode=False)
+
+
+def test_every_type_keyword_has_evidence():
+    assert sorted(TYPELESS_EXAMPLES) == sorted(k for ks in TYPE_KEYWORDS.values() for k in ks)
 
 
 @pytest.mark.parametrize("fmt,bad", [("email", "no-at-sign"), ("date", "2020-13-45x"),

@@ -381,3 +381,19 @@ def test_grammar_never_pairs_with_the_other_backends_matcher(service, vocab, met
         llg.new_matcher(handle.compiled)
     with pytest.raises(InvalidArgument, match="unknown backend"):
         cache.acquire("xgr", None, backend="outlines")
+
+
+def test_an_xgrammar_spec_payload_is_compiled_on_the_rank_and_counted_at_its_size(
+        service, vocab, metrics):
+    # The service sends the spec when compiling is cheaper than moving the compiled form.
+    xgrammar = backend_for(vocab, "xgrammar")
+    proto = common_pb2.GrammarSpec(json_schema=SCHEMA)
+    spec = parse_spec(proto)
+    payload = xgrammar.serialize(xgrammar.compile(spec), spec, compile_seconds=1e-6)
+    service.add("by-spec", proto, payload=payload, backend="xgrammar")
+    handle = _cache(service, vocab, metrics).acquire("by-spec", None)
+    assert handle.backend_name == "xgrammar"
+    assert handle.nbytes == handle.compiled.memory_size_bytes > len(payload)
+    matcher = handle.new_matcher()
+    assert matcher.accept_string('{"name": "a", "age": 1}')
+    assert not handle.new_matcher().accept_string('{"age"')

@@ -55,7 +55,9 @@ class GrammarHandle:
         self.key = key
         self.backend = backend
         self.compiled = compiled
-        self.nbytes = nbytes  # size of the serialized form, what the cache's capacity counts
+        # what the cache's capacity counts: the serialized form's size, or the compiled
+        # grammar's in memory when larger
+        self.nbytes = nbytes
 
     @property
     def backend_name(self) -> str:
@@ -169,8 +171,10 @@ class WorkerGrammarCache:
         try:
             name, payload = self._fetch(key, spec)
             backend = self._backend(key, name)
-            handle = GrammarHandle(key, backend, self._deserialize(key, backend, payload),
-                                   len(payload))
+            compiled = self._deserialize(key, backend, payload)
+            # A payload can be much smaller than what it builds (an xgrammar spec payload).
+            nbytes = max(len(payload), getattr(compiled, "memory_size_bytes", 0))
+            handle = GrammarHandle(key, backend, compiled, nbytes)
         except ServiceError as exc:
             with self._lock:
                 del self._flights[key]

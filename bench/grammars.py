@@ -1,0 +1,293 @@
+"""Real-world JSON schemas through gramserve's compile path: gramserve's choice vs each backend.
+
+    PYTHONPATH=$PWD python bench/grammars.py --schemastore GIT_DIR [--tokenizer tok.json]
+        [--limit N] [--timeout S] [--out FILE]
+
+The corpus: SchemaStore (https://github.com/SchemaStore/schemastore, Apache-2.0; read from
+a clone or bare mirror at --schemastore, the commit is printed): every schema of
+src/schemas/json/ under --max-schema-bytes that has instances in src/test/<name>/ or
+src/negative_test/<name>/ (JSON, YAML or TOML files), --limit of them evenly spaced in
+name order.
+Nothing of it is copied into this repository. An instance's validity is jsonschema's verdict
+with the format checker (gramserve's output check, gateway/validation.py), not the folder
+it came from; instances jsonschema cannot judge (e.g. a remote $ref) are dropped.
+
+Each schema is compiled in three modes (bench/schema_verdicts.py: gramserve's choice,
+xgrammar forced, llguidance forced), in a worker process with a deadline per compile
+(--timeout, the grammar service's own default is 30 s; a compile past it counts as a
+timeout and the worker is restarted), and every instance is fed token by token, each mask
+filled into a one-row bitmask and timed. Printed per mode: schemas passing (compiled, every
+valid instance accepted, every invalid one refused), compile refusals and timeouts, valid
+instances rejected, invalid instances accepted (reported unenforced at compile / silent),
+compile p50/p99/max (validation + compile + serialise + the rank's deserialise and first
+matcher: the path to a request's first mask) and mask p50/p99 (one row, one thread).
+
+With --tokenizer (e.g. .bench/tok150k.json, a byte-level BPE from bench/serve.py
+--train-tokenizer), the vocabulary is that tokenizer's; otherwise the default model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.schema_verdicts import MODES  # noqa: E402
+
+# ------------------------------------------------------------------------------ the corpus
+
+def _git(git_dir: str, *args: str) -> str:
+    return subprocess.check_output(["git", "--git-dir", git_dir, *args], text=True)
+
+
+def _parse(ext: str, text: str):
+    if ext in ("yaml", "yml"):
+        import yaml
+
+        return yaml.safe_load(text)
+    if ext == "toml":
+        import tomllib  # Python 3.11+; on 3.10 TOML instances are dropped
+
+        return tomllib.loads(text)
+    return json.loads(text)
+
+
+def load_corpus(git_dir: str, commit: str, limit: int, max_schema_bytes: int,
+                max_instance_bytes: int) -> list[dict]:
+    """[{name, schema, instances: [(data, valid)]}] from SchemaStore at `commit` (see the
+    module docstring for the selection)."""
+    import jsonschema
+
+    listing = _git(git_dir, "ls-tree", "-r", "-l", commit, "src/schemas/json", "src/test",
+                   "src/negative_test")
+    schemas, instances = {}, {}
+    for line in listing.splitlines():
+        meta, path = line.split("\t", 1)
+        size = meta.split()[3]
+        if not size.isdigit():
+            continue
+        parts = path.split("/")
+        if parts[1] == "schemas" and path.endswith(".json") and int(size) <= max_schema_bytes:
+            schemas[parts[3][:-5]] = path
+        elif parts[1] in ("test", "negative_test") and len(parts) == 4 \
+                and int(size) <= max_instance_bytes:
+            ext = parts[3].rsplit(".", 1)[-1]
+            if ext in ("json", "yaml", "yml", "toml"):
+                instances.setdefault(parts[2], []).append((path, ext))
+    eligible = sorted(n for n in schemas if n in instances)
+    if limit < len(eligible):  # spread over the alphabet (families of versions sit together)
+        eligible = [eligible[i * len(eligible) // limit] for i in range(limit)]
+    corpus = []
+    for name in eligible:
+        try:
+            schema = json.loads(_git(git_dir, "show", f"{commit}:{schemas[name]}"))
+            cls = jsonschema.validators.validator_for(schema,
+                                                      default=jsonschema.Draft7Validator)
+            validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        except Exception:  # noqa: BLE001 - not JSON, or no validator for it: not in the corpus
+            continue
+        judged = []
+        for path, ext in instances[name]:
+            try:
+                data = _parse(ext, _git(git_dir, "show", f"{commit}:{path}"))
+                json.dumps(data)  # YAML dates and the like are not JSON
+                judged.append((data, validator.is_valid(data)))
+            except Exception:  # noqa: BLE001 - unparsable, or jsonschema cannot judge it
+                continue
+        if judged and isinstance(schema, dict):
+            corpus.append({"name": name, "schema": schema, "instances": judged})
+    return corpus
+
+
+def vocab_dir(tokenizer_json: Path) -> Path:
+    """A checkpoint directory with only the vocabulary files of `tokenizer_json` (EOS
+    <|endoftext|>, model vocabulary = tokenizer size rounded up to 64), under .bench/."""
+    from tokenizers import Tokenizer
+
+    out = ROOT / ".bench" / f"vocab-{tokenizer_json.stem}"
+    if not (out / "config.json").is_file():
+        tok = Tokenizer.from_file(str(tokenizer_json))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tokenizer.json").write_text(tokenizer_json.read_text())
+        size = tok.get_vocab_size(with_added_tokens=True)
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"eos_token": "<|endoftext|>", "add_bos_token": False}))
+        (out / "config.json").write_text(json.dumps({
+            "vocab_size": (size + 63) // 64 * 64,
+            "eos_token_id": tok.token_to_id("<|endoftext|>")}))
+    return out
+
+
+# ------------------------------------------------------------------------------ the worker
+
+def _worker(model_dir: str, conn) -> None:
+    """Serve (schema, instances, mode) jobs on a pipe until None; answers a result dict."""
+    from bench.schema_verdicts import Judge
+    from grammar_service.vocab import load_vocab
+
+    judge = Judge(load_vocab(model_dir))
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        schema, instances, mode = job
+        build = judge.build(schema, mode)
+        masks: list[float] = []
+        verdicts = [judge.verdict(build, data, valid, masks) for data, valid in instances]
+        conn.send({"backend": build.backend, "error": build.error,
+                   "unenforced": build.unenforced, "seconds": build.compile_s + build.build_s,
+                   "verdicts": verdicts, "masks": masks})
+
+
+class Worker:
+    """A worker process with a deadline per job; restarted after a job runs past it."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = str(model_dir)
+        self.proc = None
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(self.model_dir, child), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(600) or self.conn.recv() != "ready":
+            raise RuntimeError("the worker did not start")
+
+    def run(self, job, timeout: float) -> dict | None:
+        """The job's result, or None when it ran past `timeout` seconds or the worker died
+        (e.g. out of memory); the worker is then replaced."""
+        self.conn.send(job)
+        if self.conn.poll(timeout):
+            try:
+                return self.conn.recv()
+            except EOFError:
+                pass
+        self.proc.kill()
+        self.proc.join()
+        self._start()
+        return None
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(10)
+
+
+# ------------------------------------------------------------------------------ the report
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+def summarise(results: dict[str, list[dict | None]]) -> dict[str, dict]:
+    """Per mode: the counts and percentiles the table prints."""
+    out = {}
+    for mode, rows in results.items():
+        verdicts, compiles, masks, s = Counter(), [], [], Counter()
+        for row in rows:
+            if row is None:
+                s["timeouts"] += 1
+                continue
+            if row["error"]:
+                s["refused"] += 1
+            else:
+                compiles.append(row["seconds"])
+                masks += row["masks"]
+                s["backend_" + row["backend"]] += 1
+            verdicts.update(row["verdicts"])
+            if not row["error"] and all(v == "pass" for v in row["verdicts"]):
+                s["passing"] += 1
+        out[mode] = {**s, **verdicts, "schemas": len(rows),
+                     "compile_ms": [1e3 * _pct(compiles, p) for p in (50, 99, 100)],
+                     "mask_us": [1e6 * _pct(masks, p) for p in (50, 99)],
+                     "masks": len(masks)}
+    return out
+
+
+def table(summary: dict[str, dict]) -> str:
+    rows = [
+        ("schemas passing", lambda s: f"{s.get('passing', 0)} / {s['schemas']}"),
+        ("compile refused (error)", lambda s: str(s.get("refused", 0))),
+        ("compile timeouts / crashes", lambda s: str(s.get("timeouts", 0))),
+        ("valid instances rejected", lambda s: str(s.get("valid_rejected", 0))),
+        ("invalid accepted: reported", lambda s: str(s.get("invalid_reported", 0))),
+        ("invalid accepted: SILENT", lambda s: str(s.get("invalid_silent", 0))),
+        ("instances passing", lambda s: str(s.get("pass", 0))),
+        ("compile p50 / p99 / max ms", lambda s: " / ".join(f"{v:.1f}" for v in s["compile_ms"])),
+        ("mask p50 / p99 us", lambda s: " / ".join(f"{v:.1f}" for v in s["mask_us"])),
+        ("masks timed", lambda s: str(s["masks"])),
+        ("backend used (llg / xgr)", lambda s: f"{s.get('backend_llguidance', 0)} / "
+                                                f"{s.get('backend_xgrammar', 0)}"),
+    ]
+    lines = [f"{'':<28}" + "".join(f"{m:>22}" for m in summary)]
+    for label, cell in rows:
+        lines.append(f"{label:<28}" + "".join(f"{cell(s):>22}" for s in summary.values()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schemastore", required=True, help="SchemaStore git dir (bare ok)")
+    parser.add_argument("--commit", default="HEAD")
+    parser.add_argument("--tokenizer", type=Path, default=None)
+    parser.add_argument("--limit", type=int, default=300, help="schemas (default 300)")
+    parser.add_argument("--max-schema-bytes", type=int, default=100_000)
+    parser.add_argument("--max-instance-bytes", type=int, default=8_000)
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per compile")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--silent", action="store_true", help="list silent acceptances")
+    ns = parser.parse_args(argv)
+
+    commit = _git(ns.schemastore, "rev-parse", ns.commit).strip()
+    corpus = load_corpus(ns.schemastore, commit, ns.limit, ns.max_schema_bytes,
+                         ns.max_instance_bytes)
+    if ns.tokenizer is not None:
+        model_dir = vocab_dir(ns.tokenizer)
+    else:
+        from grammar_service.default_model import ensure_default_model
+
+        model_dir = ensure_default_model()
+    worker = Worker(model_dir)
+    results: dict[str, list] = {mode: [] for mode in MODES}
+    notes = []
+    start = time.perf_counter()
+    for i, entry in enumerate(corpus):
+        for mode in MODES:
+            row = worker.run((entry["schema"], entry["instances"], mode), ns.timeout)
+            results[mode].append(row)
+            if row is not None and "invalid_silent" in row["verdicts"]:
+                notes.append(f"silent: {mode} {row['backend']} {entry['name']}")
+        if (i + 1) % 25 == 0:
+            print(f"# {i + 1}/{len(corpus)} schemas, {time.perf_counter() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+    worker.close()
+    n_inst = sum(len(e["instances"]) for e in corpus)
+    n_valid = sum(v for e in corpus for _, v in e["instances"])
+    from grammar_service.vocab import load_vocab
+
+    vocab = load_vocab(model_dir)
+    report = (f"SchemaStore {commit}: {len(corpus)} schemas, {n_inst} instances "
+              f"({n_valid} valid, {n_inst - n_valid} invalid per jsonschema + formats); "
+              f"vocabulary {vocab.model_vocab_size} tokens; one thread; timeout "
+              f"{ns.timeout:.0f} s; {time.perf_counter() - start:.0f} s in all\n"
+              + table(summarise(results)))
+    if ns.silent and notes:
+        report += "\n\n" + "\n".join(notes)
+    print(report)
+    if ns.out:
+        ns.out.write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
