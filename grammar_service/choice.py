@@ -2,20 +2,19 @@
 
 The rule for `backend: auto` (a client can force either backend with options.backend):
 
-- json_schema: xgrammar when it enforces every keyword of the schema (grammar_service.
-  unenforced finds none): both are exact then, and xgrammar masks far faster on the large
-  vocabularies served models have (below). Otherwise llguidance when it compiles the schema:
-  it refuses (a compile error) what it cannot enforce exactly, e.g. `not`, `oneOf` branches
-  it cannot prove disjoint, `uniqueItems`, `dependentRequired`, unknown `format`s, and
-  otherwise enforces what xgrammar approximates (`allOf`, length bounds next to a `pattern`,
-  large length bounds). When llguidance refuses, it compiles the schema leniently: what it
-  cannot enforce (`not`, `uniqueItems`, `if`, `contains`, an unknown `format`, ...) is
-  ignored, a `oneOf` it cannot prove disjoint becomes `anyOf` (as on xgrammar), and each is
-  reported from its warnings (grammar_service.unenforced.llguidance_unenforced): everything
-  else stays exact, which is more than xgrammar enforces, and it compiles far faster.
-  xgrammar compiles it when the lenient compile fails too (or a warning is not understood),
-  its unenforced keywords reported (grammar_service.unenforced). With options.strict a
-  schema with anything unenforced is refused.
+- json_schema: llguidance when it compiles the schema. It refuses (a compile error) what it
+  cannot enforce exactly, e.g. `not`, `oneOf` branches it cannot prove disjoint,
+  `uniqueItems`, `dependentRequired`, unknown `format`s, and otherwise enforces what
+  xgrammar approximates (`allOf`, length bounds next to a `pattern`, large length bounds).
+  When llguidance refuses, it compiles the schema leniently: what it cannot enforce
+  (`not`, `uniqueItems`, `if`, `contains`, an unknown `format`, ...) is ignored, a `oneOf`
+  it cannot prove disjoint becomes `anyOf` (as on xgrammar), and each is reported from its
+  warnings (grammar_service.unenforced.llguidance_unenforced): everything else stays exact,
+  which is more than xgrammar enforces, and it compiles far faster. xgrammar compiles it
+  when it enforces every keyword (e.g. a `format` only it knows), or when the lenient compile
+  fails too (or a warning is not understood), its unenforced keywords reported
+  (grammar_service.unenforced). With options.strict a schema with anything
+  unenforced is refused.
   Property order is fixed on both backends: the listed properties in the schema's order,
   then any unlisted ones.
 - json_object: llguidance (both exact; llguidance is faster to build and to mask).
@@ -35,11 +34,13 @@ from its grammar text, which is what a rank does):
     json_object            1.35 ms       1.42 ms             0.26 ms      12/878 µs | 10/51 µs
     schema (2 properties)  1.44 ms       0.78 ms             0.44 ms
 
-Masks of JSON schemas at a 150k-token byte-level BPE (bench/schemas short and long families,
-rows stepped along random valid outputs, one thread, 2-core x86): xgrammar p50 26-31 µs, mean
-96-112 µs, p99 0.8-1.3 ms; llguidance p50 147-156 µs, mean 716-960 µs, p99 15-26 ms (inside
-length-bounded strings nearly every token is allowed and llguidance walks them all). In the
-served stack on the H200 that was 6-10 ms of mask fill per step at batch 64, 2-3 forwards.
+What exactness costs at serving time, on the large vocabularies served models have: masks of
+the JSON schemas of bench/schemas at a 151k-token byte-level BPE (rows stepped along random
+valid outputs, one thread, 2-core x86): xgrammar p50 26-31 µs, mean 96-112 µs, p99
+0.8-1.3 ms; llguidance p50 147-156 µs, mean 716-960 µs, p99 15-26 ms (inside length-bounded
+strings nearly every token is allowed and llguidance walks them all). A client that prefers
+mask speed on a schema xgrammar enforces (no keyword reported unenforced) forces xgrammar
+with options.backend, as bench/serve.py does.
 
 Pure and cheap; the compile pool's children call `compile_spec`.
 """
@@ -95,12 +96,6 @@ def compile_spec(spec, backends: dict) -> Compiled:
     if spec.kind != "json_schema":
         name, reason = _STATIC[spec.kind]
         return _with(backends[name], spec, reason)
-    if not find_unenforced(json.loads(spec.text)):
-        try:
-            return _with(backends[XGRAMMAR], spec, "auto: both backends enforce every keyword "
-                         "of this schema; xgrammar masks faster")
-        except BackendError:
-            pass  # llguidance may still compile it
     try:
         return _with(backends[LLGUIDANCE], spec,
                      "auto: llguidance enforces every keyword of this schema")

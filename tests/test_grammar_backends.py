@@ -173,10 +173,6 @@ def test_llguidance_matcher_refuses_a_bitmask_of_another_width(backends, ranks, 
 
 
 AUTO_CASES = {
-    "schema_both_enforce": (dict(json_schema=json.dumps(
-        {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}})),
-        XGRAMMAR, "both backends enforce every keyword of this schema; xgrammar masks faster",
-        ()),
     "schema_llguidance_enforces": (dict(json_schema=json.dumps(ALL_OF)), LLGUIDANCE,
                                    "llguidance enforces every keyword", ()),
     "schema_llguidance_ignores_and_reports": (dict(json_schema=json.dumps(NOT)), LLGUIDANCE,
