@@ -8,9 +8,12 @@ becomes the equivalent pattern over characters that need no escape,
 `^[^"\\\\\\x00-\\x1f]{min,max}$` (xgrammar enforces patterns, and already refuses escapes in
 these strings). A bounded repetition costs xgrammar compile time that grows faster than the
 bound (measured, 4k vocabulary, one thread: 256 → 20 ms, 512 → 75 ms, 1024 → 0.42 s,
-2048 → 1.6 s; 8192 took 42 s on a real schema), so bounds above `MAX_REWRITTEN_LENGTH` are
-left as written and `unenforced.find_unenforced` reports the keyword instead. llguidance
-enforces length bounds in its lexer and needs none of this.
+2048 → 1.6 s; 8192 took 42 s on a real schema), and it was the mask tail: at a 150k
+vocabulary a 0-256 repetition made each mask inside the string cost 153 ms at the median
+(bench/mask_tail.py; 0.9 ms without the rewrite), and from a bound of 32 it tripled the
+compile. Up to 16 it costs what xgrammar's own bound costs. So bounds above
+`MAX_REWRITTEN_LENGTH` are left as written and `unenforced.find_unenforced` reports the
+keyword instead. llguidance enforces length bounds in its lexer and needs none of this.
 
 Both backends, integral bounds (`integral_bounds`, part of both fixes below): a bound such
 as `maxLength: 2.0` is the integer 2 to JSON Schema; xgrammar ignored it (accepting any
@@ -39,7 +42,7 @@ _MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions"
                        "dependentSchemas"})
 _UNESCAPED_CHAR = '[^"\\\\\\x00-\\x1f]'
 # The largest minLength / maxLength rewritten into a repetition for xgrammar (see above).
-MAX_REWRITTEN_LENGTH = 256
+MAX_REWRITTEN_LENGTH = 16
 # Next to these, `additionalProperties: false` would refuse properties the schema allows
 # (it sees sibling `properties` only), so such nodes are left as they are.
 _COMBINED = frozenset({"additionalProperties", "unevaluatedProperties", "patternProperties",
