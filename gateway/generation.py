@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -107,6 +107,7 @@ class Job:
 @dataclass
 class _Progress:
     text: list[str]
+    logprobs: list = field(default_factory=list)  # common_pb2.TokenLogprob, when asked
     tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -206,6 +207,7 @@ class Runner:
             while not rows.empty():  # drain: one delta for everything that is here
                 batch.append(rows.get_nowait())
             ids: list[int] = []
+            lps: list = []
             fin = None
             broken = False
             for row in batch:
@@ -213,11 +215,12 @@ class Runner:
                     broken = True
                     break
                 ids.extend(row.token_ids)
+                lps.extend(row.logprobs)
                 if row.HasField("finished"):
                     fin = row.finished
                     break
             if ids:
-                delta = self._on_tokens(ids, detok, stop, progress)
+                delta = self._on_tokens(ids, lps, detok, stop, progress)
                 if delta is not None:
                     yield delta
                 if stop.stopped:
@@ -242,7 +245,8 @@ class Runner:
                     yield response
                 return
 
-    def _on_tokens(self, ids, detok, stop, progress) -> gateway_pb2.GenerateResponse | None:
+    def _on_tokens(self, ids, lps, detok, stop,
+                   progress) -> gateway_pb2.GenerateResponse | None:
         now = time.monotonic()
         if progress.first_token_at is None:
             progress.first_token_at = now
@@ -252,7 +256,9 @@ class Runner:
         progress.tokens += len(ids)
         text = stop.push(detok.push(ids))
         progress.text.append(text)
-        return gateway_pb2.GenerateResponse(delta=gateway_pb2.Delta(text=text, token_ids=ids))
+        progress.logprobs.extend(lps)
+        return gateway_pb2.GenerateResponse(delta=gateway_pb2.Delta(text=text, token_ids=ids,
+                                                                    logprobs=lps))
 
     def _tail(self, job, progress, queued, detok, stop, fin):
         rest = stop.push(detok.flush())
@@ -284,6 +290,7 @@ class Runner:
                 total_seconds=now - job.arrived))
         if usage is not None and usage.completion_tokens:
             final.usage.CopyFrom(usage)
+        final.logprobs.extend(progress.logprobs)
         if job.echo_prompt:
             final.prompt_token_ids.extend(job.admit.prompt_token_ids)
         if job.schema is not None:

@@ -108,10 +108,12 @@ class _ChatStream:
 
     object = "chat.completion.chunk"
 
-    def __init__(self, plan: ot.Plan, model: str, created: int):
+    def __init__(self, plan: ot.Plan, model: str, created: int, token_bytes):
         self.plan, self.model, self.created = plan, model, created
+        self.token_bytes = token_bytes
         self.finals: list = [None] * len(plan.requests)
         self._started = [False] * len(plan.requests)
+        self._offsets = [0] * len(plan.requests)  # text so far per choice (legacy offsets)
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": self.plan.id, "object": self.object, "created": self.created,
@@ -135,8 +137,9 @@ class _ChatStream:
             out.append(self.chunk([self._choice(i, first)]))
         if event.HasField("delta"):
             text = event.delta.text
-            if text and tool is None:
-                out.append(self.chunk([self._choice(i, {"content": text})]))
+            lps = orsp.chat_logprobs(self.plan, i, event.delta.logprobs, self.token_bytes)
+            if (text or lps) and tool is None:
+                out.append(self.chunk([self._choice(i, {"content": text}, logprobs=lps)]))
             elif text and tool.name is not None:
                 out.append(self.chunk([self._choice(i, {"tool_calls": [
                     {"index": 0, "function": {"arguments": text}}]})]))
@@ -153,8 +156,10 @@ class _ChatStream:
                                             **orsp.schema_fields(final))]))
         return out
 
-    def _choice(self, i: int, delta: dict, finish: str | None = None, **extra) -> dict:
-        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
+    def _choice(self, i: int, delta: dict, finish: str | None = None, logprobs=None,
+                **extra) -> dict:
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                **extra}
 
 
 class _CompletionStream(_ChatStream):
@@ -164,9 +169,13 @@ class _CompletionStream(_ChatStream):
 
     def events(self, i: int, event: gateway_pb2.GenerateResponse) -> list[dict]:
         if event.HasField("delta"):
-            if not event.delta.text:
+            text = event.delta.text
+            lps = orsp.completion_logprobs(self.plan, i, event.delta.logprobs, self.token_bytes,
+                                           self._offsets[i])
+            self._offsets[i] += len(text)
+            if not text and not lps:
                 return []
-            return [self.chunk([{"index": i, "text": event.delta.text, "logprobs": None,
+            return [self.chunk([{"index": i, "text": text, "logprobs": lps,
                                  "finish_reason": None}])]
         final = event.final
         orsp.check_final(final)
@@ -266,7 +275,8 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
                     return _error_response(_as_openai(exc, plan))
                 raise
             return StreamingResponse(
-                _stream_body(fan, writer_cls(plan, model, created), buffered),
+                _stream_body(fan, writer_cls(plan, model, created, servicer.token_bytes),
+                             buffered),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         work = asyncio.ensure_future(_collect(fan, n))
         gone = asyncio.ensure_future(_until_disconnect(request))
@@ -284,7 +294,8 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
             gone.cancel()
             await fan.close()
         return {"id": plan.id, "object": choice[0], "created": created, "model": model,
-                "choices": [choice[1](plan, i, f) for i, f in enumerate(finals)],
+                "choices": [choice[1](plan, i, f, servicer.token_bytes)
+                            for i, f in enumerate(finals)],
                 "usage": orsp.usage(plan, finals)}
 
     @app.post("/v1/chat/completions")
@@ -294,7 +305,7 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await run(request, ot.completion_plan, _CompletionStream,
-                         ("text_completion", lambda plan, i, f: orsp.completion_choice(i, f)))
+                         ("text_completion", orsp.completion_choice))
 
     return app
 

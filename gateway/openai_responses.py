@@ -107,15 +107,56 @@ def usage(plan: Plan, finals: list[gateway_pb2.Final]) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def chat_choice(plan: Plan, index: int, final: gateway_pb2.Final) -> dict:
+def chat_choice(plan: Plan, index: int, final: gateway_pb2.Final, token_bytes) -> dict:
     calls = tool_calls(final.text, plan.tool, f"call_{plan.id[-24:]}_{index}")
     message = {"role": "assistant", "content": None if calls else final.text}
     if calls:
         message["tool_calls"] = calls
-    return {"index": index, "message": message, "logprobs": None,
+    return {"index": index, "message": message,
+            "logprobs": chat_logprobs(plan, index, final.logprobs, token_bytes),
             "finish_reason": finish_reason(final, calls), **schema_fields(final)}
 
 
-def completion_choice(index: int, final: gateway_pb2.Final) -> dict:
-    return {"index": index, "text": final.text, "logprobs": None,
+def completion_choice(plan: Plan, index: int, final: gateway_pb2.Final, token_bytes) -> dict:
+    return {"index": index, "text": final.text,
+            "logprobs": completion_logprobs(plan, index, final.logprobs, token_bytes),
             "finish_reason": finish_reason(final, None), **schema_fields(final)}
+
+
+def _token(token_id: int, token_bytes) -> tuple[str, list[int]]:
+    raw = token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprobs(plan: Plan, index: int, lps, token_bytes) -> dict | None:
+    """OpenAI's chat `logprobs` object for TokenLogprobs `lps` (None unless asked)."""
+    if not plan.requests[index].sampling.logprobs:
+        return None
+    content = []
+    for lp in lps:
+        token, raw = _token(lp.token_id, token_bytes)
+        top = []
+        for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
+            alt, alt_raw = _token(t, token_bytes)
+            top.append({"token": alt, "logprob": v, "bytes": alt_raw})
+        content.append({"token": token, "logprob": lp.logprob, "bytes": raw,
+                        "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(plan: Plan, index: int, lps, token_bytes,
+                        offset: int = 0) -> dict | None:
+    """The legacy API's `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset;
+    None unless asked). `offset` is where these tokens' text starts in the choice's text."""
+    if not plan.requests[index].sampling.logprobs:
+        return None
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        token, _ = _token(lp.token_id, token_bytes)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append({_token(t, token_bytes)[0]: v for t, v in
+                                    zip(lp.top_token_ids, lp.top_logprobs, strict=True)})
+        out["text_offset"].append(offset)
+        offset += len(token)
+    return out

@@ -43,8 +43,6 @@ _WHITESPACE = {"bounded": common_pb2.WHITESPACE_BOUNDED, "compact": common_pb2.W
                "any": common_pb2.WHITESPACE_ANY}
 _STRUCTURED_KINDS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")
 _REFUSED = {
-    "logprobs": "logprobs are not produced yet",
-    "top_logprobs": "logprobs are not produced yet",
     "logit_bias": "logit_bias is not supported",
     "functions": "the deprecated `functions` is not supported; use `tools`",
     "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
@@ -199,6 +197,20 @@ def _sampling(body: dict, plan: Plan, endpoint: str, limits: Limits) -> common_p
     plan.params["sampling.stop_token_ids"] = "stop_token_ids"
     s.ignore_eos = bool(_get(body, "ignore_eos", bool, False))
     plan.params["sampling.ignore_eos"] = "ignore_eos"
+    if endpoint == "chat":  # logprobs: bool, top_logprobs: 0..20
+        s.logprobs = bool(_get(body, "logprobs", bool, False))
+        top = _get(body, "top_logprobs", int)
+        if top is not None:
+            _set(s, "top_logprobs", top, "top_logprobs")
+        plan.params["sampling.logprobs"] = "logprobs"
+        plan.params["sampling.top_logprobs"] = "top_logprobs"
+    else:  # the legacy API: logprobs is the number of alternatives, 0..5
+        top = _get(body, "logprobs", int)
+        if top is not None:
+            if not 0 <= top <= 5:
+                raise bad("logprobs", f"must be in [0, 5], got {top}")
+            s.logprobs, s.top_logprobs = True, top
+        plan.params["sampling.top_logprobs"] = "logprobs"
     try:
         checked = validate_sampling(s, limits)
     except InvalidArgument as exc:

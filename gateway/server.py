@@ -138,6 +138,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_model_len=min(known) if known else 0, groups=len(groups),
             tp_size=len(groups[0].addresses))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for (the OpenAI API's logprob tokens)."""
+        return self._vocab.token_bytes(token_id)
+
     @property
     def limits(self) -> Limits:
         """The bounds every request is validated against (the HTTP translation's too)."""

@@ -46,12 +46,14 @@ class GenerateResponse(_message.Message):
     def __init__(self, delta: _Optional[_Union[Delta, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class Delta(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_seconds", "compile_seconds", "time_to_first_token_seconds", "total_seconds")
@@ -66,7 +68,7 @@ class Timings(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., compile_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "message", "text", "usage", "timings", "schema_valid", "schema_error", "request_id", "seed", "prompt_token_ids")
+    __slots__ = ("finish_reason", "message", "text", "usage", "timings", "schema_valid", "schema_error", "request_id", "seed", "prompt_token_ids", "logprobs")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,7 @@ class Final(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     message: str
     text: str
@@ -87,7 +90,8 @@ class Final(_message.Message):
     request_id: str
     seed: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., message: _Optional[str] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., schema_valid: _Optional[bool] = ..., schema_error: _Optional[str] = ..., request_id: _Optional[str] = ..., seed: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., message: _Optional[str] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., schema_valid: _Optional[bool] = ..., schema_error: _Optional[str] = ..., request_id: _Optional[str] = ..., seed: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class CompileGrammarRequest(_message.Message):
     __slots__ = ("constraint", "model")

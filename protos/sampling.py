@@ -15,6 +15,7 @@ from protos.rpc import InvalidArgument
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class Sampling:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def seed_int64(self) -> int:
@@ -75,8 +78,13 @@ class Sampling:
             if tok >= vocab_size:
                 bad(f"stop_token_ids[{i}]",
                     f"token id {tok} is outside the vocabulary (size {vocab_size})")
+        if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+            bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
+        if s.top_logprobs and not s.logprobs:
+            bad("top_logprobs", "needs sampling.logprobs")
         return cls(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=s.top_k,
                    min_p=s.min_p, seed=s.seed if s.HasField("seed") else None,
                    stop=tuple(s.stop), stop_token_ids=frozenset(s.stop_token_ids),
                    ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
-                   include_stop_str_in_output=s.include_stop_str_in_output)
+                   include_stop_str_in_output=s.include_stop_str_in_output,
+                   logprobs=s.logprobs, top_logprobs=s.top_logprobs)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0cgramserve.v1\x1a\x13protos/common.proto\"u\n\x0eSessionRequest\x12+\n\x05\x61\x64mit\x18\x01 \x01(\x0b\x32\x1a.gramserve.v1.AdmitRequestH\x00\x12/\n\x07release\x18\x02 \x01(\x0b\x32\x1c.gramserve.v1.ReleaseRequestH\x00\x42\x05\n\x03msg\"\xe1\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.gramserve.v1.SamplingParams\x12\x13\n\x0bgrammar_key\x18\x05 \x01(\t\x12*\n\x07grammar\x18\x06 \x01(\x0b\x32\x19.gramserve.v1.GrammarSpec\x12\x0b\n\x03tag\x18\x07 \x01(\x04\x12\x17\n\x0fgrammar_backend\x18\x08 \x01(\t\"p\n\x0cSessionEvent\x12-\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x19.gramserve.v1.AdmitResultH\x00\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x18.gramserve.v1.StepUpdateH\x00\x42\x07\n\x05\x65vent\"U\n\x0b\x41\x64mitResult\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"A\n\nStepUpdate\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12%\n\x04rows\x18\x02 \x03(\x0b\x32\x17.gramserve.v1.RowUpdate\"U\n\tRowUpdate\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x16.gramserve.v1.Finished\"\xad\x01\n\x08\x46inished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.gramserve.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.gramserve.v1.Usage\x12\x15\n\rstart_seconds\x18\x04 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x06 \x01(\x05\"2\n\x0eReleaseRequest\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"&\n\x0fReleaseResponse\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"|\n\x08SlotInfo\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.gramserve.v1.SlotState\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06guided\x18\x04 \x01(\x08\x12\x16\n\x0e\x63ontext_tokens\x18\x05 \x01(\r\"\x84\x02\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07tp_size\x18\x02 \x01(\x05\x12\x11\n\tnum_slots\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x19\n\x11vocab_fingerprint\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x18\n\x10model_vocab_size\x18\x08 \x01(\r\x12%\n\x05slots\x18\t \x03(\x0b\x32\x16.gramserve.v1.SlotInfo\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0f\n\x07serving\x18\x0c \x01(\x08*g\n\tSlotState\x12\x13\n\x0fSLOT_STATE_FREE\x10\x00\x12\x16\n\x12SLOT_STATE_PENDING\x10\x01\x12\x16\n\x12SLOT_STATE_PREFILL\x10\x02\x12\x15\n\x11SLOT_STATE_DECODE\x10\x03\x32\xd6\x01\n\x06Worker\x12G\n\x07Session\x12\x1c.gramserve.v1.SessionRequest\x1a\x1a.gramserve.v1.SessionEvent(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.gramserve.v1.ReleaseRequest\x1a\x1d.gramserve.v1.ReleaseResponse\x12;\n\x04Info\x12\x19.gramserve.v1.InfoRequest\x1a\x18.gramserve.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x0cgramserve.v1\x1a\x13protos/common.proto\"u\n\x0eSessionRequest\x12+\n\x05\x61\x64mit\x18\x01 \x01(\x0b\x32\x1a.gramserve.v1.AdmitRequestH\x00\x12/\n\x07release\x18\x02 \x01(\x0b\x32\x1c.gramserve.v1.ReleaseRequestH\x00\x42\x05\n\x03msg\"\xe1\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.gramserve.v1.SamplingParams\x12\x13\n\x0bgrammar_key\x18\x05 \x01(\t\x12*\n\x07grammar\x18\x06 \x01(\x0b\x32\x19.gramserve.v1.GrammarSpec\x12\x0b\n\x03tag\x18\x07 \x01(\x04\x12\x17\n\x0fgrammar_backend\x18\x08 \x01(\t\"p\n\x0cSessionEvent\x12-\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x19.gramserve.v1.AdmitResultH\x00\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x18.gramserve.v1.StepUpdateH\x00\x42\x07\n\x05\x65vent\"U\n\x0b\x41\x64mitResult\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04slot\x18\x04 \x01(\x05\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"A\n\nStepUpdate\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12%\n\x04rows\x18\x02 \x03(\x0b\x32\x17.gramserve.v1.RowUpdate\"\x83\x01\n\tRowUpdate\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x16.gramserve.v1.Finished\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.gramserve.v1.TokenLogprob\"\xad\x01\n\x08\x46inished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.gramserve.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.gramserve.v1.Usage\x12\x15\n\rstart_seconds\x18\x04 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x06 \x01(\x05\"2\n\x0eReleaseRequest\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"&\n\x0fReleaseResponse\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"|\n\x08SlotInfo\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.gramserve.v1.SlotState\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06guided\x18\x04 \x01(\x08\x12\x16\n\x0e\x63ontext_tokens\x18\x05 \x01(\r\"\x84\x02\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07tp_size\x18\x02 \x01(\x05\x12\x11\n\tnum_slots\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x19\n\x11vocab_fingerprint\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x18\n\x10model_vocab_size\x18\x08 \x01(\r\x12%\n\x05slots\x18\t \x03(\x0b\x32\x16.gramserve.v1.SlotInfo\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0f\n\x07serving\x18\x0c \x01(\x08*g\n\tSlotState\x12\x13\n\x0fSLOT_STATE_FREE\x10\x00\x12\x16\n\x12SLOT_STATE_PENDING\x10\x01\x12\x16\n\x12SLOT_STATE_PREFILL\x10\x02\x12\x15\n\x11SLOT_STATE_DECODE\x10\x03\x32\xd6\x01\n\x06Worker\x12G\n\x07Session\x12\x1c.gramserve.v1.SessionRequest\x1a\x1a.gramserve.v1.SessionEvent(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.gramserve.v1.ReleaseRequest\x1a\x1d.gramserve.v1.ReleaseResponse\x12;\n\x04Info\x12\x19.gramserve.v1.InfoRequest\x1a\x18.gramserve.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SLOTSTATE']._serialized_start=1432
-  _globals['_SLOTSTATE']._serialized_end=1535
+  _globals['_SLOTSTATE']._serialized_start=1479
+  _globals['_SLOTSTATE']._serialized_end=1582
   _globals['_SESSIONREQUEST']._serialized_start=58
   _globals['_SESSIONREQUEST']._serialized_end=175
   _globals['_ADMITREQUEST']._serialized_start=178
@@ -44,20 +44,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMITRESULT']._serialized_end=604
   _globals['_STEPUPDATE']._serialized_start=606
   _globals['_STEPUPDATE']._serialized_end=671
-  _globals['_ROWUPDATE']._serialized_start=673
-  _globals['_ROWUPDATE']._serialized_end=758
-  _globals['_FINISHED']._serialized_start=761
-  _globals['_FINISHED']._serialized_end=934
-  _globals['_RELEASEREQUEST']._serialized_start=936
-  _globals['_RELEASEREQUEST']._serialized_end=986
-  _globals['_RELEASERESPONSE']._serialized_start=988
-  _globals['_RELEASERESPONSE']._serialized_end=1026
-  _globals['_INFOREQUEST']._serialized_start=1028
-  _globals['_INFOREQUEST']._serialized_end=1041
-  _globals['_SLOTINFO']._serialized_start=1043
-  _globals['_SLOTINFO']._serialized_end=1167
-  _globals['_WORKERINFO']._serialized_start=1170
-  _globals['_WORKERINFO']._serialized_end=1430
-  _globals['_WORKER']._serialized_start=1538
-  _globals['_WORKER']._serialized_end=1752
+  _globals['_ROWUPDATE']._serialized_start=674
+  _globals['_ROWUPDATE']._serialized_end=805
+  _globals['_FINISHED']._serialized_start=808
+  _globals['_FINISHED']._serialized_end=981
+  _globals['_RELEASEREQUEST']._serialized_start=983
+  _globals['_RELEASEREQUEST']._serialized_end=1033
+  _globals['_RELEASERESPONSE']._serialized_start=1035
+  _globals['_RELEASERESPONSE']._serialized_end=1073
+  _globals['_INFOREQUEST']._serialized_start=1075
+  _globals['_INFOREQUEST']._serialized_end=1088
+  _globals['_SLOTINFO']._serialized_start=1090
+  _globals['_SLOTINFO']._serialized_end=1214
+  _globals['_WORKERINFO']._serialized_start=1217
+  _globals['_WORKERINFO']._serialized_end=1477
+  _globals['_WORKER']._serialized_start=1585
+  _globals['_WORKER']._serialized_end=1799
 # @@protoc_insertion_point(module_scope)

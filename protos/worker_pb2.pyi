@@ -78,14 +78,16 @@ class StepUpdate(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowUpdate, _Mapping]]] = ...) -> None: ...
 
 class RowUpdate(_message.Message):
-    __slots__ = ("tag", "token_ids", "finished")
+    __slots__ = ("tag", "token_ids", "finished", "logprobs")
     TAG_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     tag: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: Finished
-    def __init__(self, tag: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, tag: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "message", "usage", "start_seconds", "first_token_seconds", "code")

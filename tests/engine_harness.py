@@ -25,6 +25,7 @@ class Outcome:
     reason: str
     message: str
     slot: int
+    logprobs: list = None  # (logprob, top ids, top logprobs) per token, when asked
 
 
 class EngineHarness:
@@ -62,19 +63,20 @@ class EngineHarness:
             while todo and self.table.in_use() < self.table.num_slots:
                 req = todo.popleft()
                 entry = self.table.allocate(req.request_id, req)
-                live[req.request_id] = (req, entry, [])
+                live[req.request_id] = (req, entry, [], [])
             if not live:
                 return out
             self.engine.step()
             outputs, self._outputs[:] = list(self._outputs), []
             for o in outputs:
                 rid = o.req.request_id
-                req, entry, toks = live[rid]
+                req, entry, toks, lps = live[rid]
                 toks.extend(o.tokens)
+                lps.extend(o.logprobs)
                 if rid in release_after and len(toks) >= release_after[rid] and o.finish is None:
                     release_after.pop(rid)
                     self.table.request_release(entry.slot, rid)
                 if o.finish is not None:
-                    out[rid] = Outcome(toks, o.finish.reason, o.finish.message, entry.slot)
+                    out[rid] = Outcome(toks, o.finish.reason, o.finish.message, entry.slot, lps)
                     del live[rid]
         raise AssertionError("requests did not finish")

@@ -162,7 +162,7 @@ def _status(call) -> openai.APIStatusError:
 
 @pytest.mark.parametrize("kwargs,param", [
     (dict(top_p=2.0), "top_p"),
-    (dict(logprobs=True), "logprobs"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(presence_penalty=0.5), "presence_penalty"),
     (dict(tools=TOOLS, tool_choice="auto"), "tool_choice"),
     (dict(max_completion_tokens=0), "max_completion_tokens"),
@@ -291,3 +291,35 @@ def test_a_client_that_goes_away_cancels_its_requests(system, model):
     while metric(system.gateway_metrics[1], cancelled) < before + SLOTS:
         assert time.monotonic() < deadline, "the choices ran on after the client left"
         time.sleep(0.1)
+
+
+def test_logprobs_are_present_and_consistent(client, model):
+    schema = SCHEMAS[0]
+    r = client.chat.completions.create(
+        model=model, messages=HI, max_tokens=30, temperature=0.0, logprobs=True,
+        top_logprobs=3, response_format={"type": "json_schema", "json_schema": {
+            "name": "p", "schema": schema}}, extra_body=COMPACT)
+    content = r.choices[0].logprobs.content
+    assert content and "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:  # greedy: the chosen token is the most likely one, with its logprob
+        assert len(c.top_logprobs) >= 1 and c.logprob <= 0
+        assert c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob)
+        assert bytes(c.bytes).decode("utf-8", "replace") == c.token
+    plain = client.chat.completions.create(
+        model=model, messages=HI, max_tokens=30, temperature=0.0, response_format={
+            "type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        extra_body=COMPACT)
+    assert plain.choices[0].logprobs is None  # not asked, not sent
+    assert plain.choices[0].message.content == r.choices[0].message.content
+    streamed = [c for chunk in client.chat.completions.create(
+        model=model, messages=HI, max_tokens=30, temperature=0.0, logprobs=True, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        extra_body=COMPACT) for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    legacy = client.completions.create(model=model, prompt="Hi", max_tokens=8,
+                                       temperature=0.0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 2 and top[tok] == pytest.approx(value)

@@ -49,7 +49,7 @@ def test_several_tools_required_is_an_anyof_of_name_and_arguments():
 
 
 @pytest.mark.parametrize("kw,param", [
-    (dict(logprobs=True), "logprobs"),
+    (dict(logprobs=True, top_logprobs=30), "top_logprobs"),
     (dict(top_logprobs=2), "top_logprobs"),
     (dict(frequency_penalty=1), "frequency_penalty"),
     (dict(logit_bias={"1": 5}), "logit_bias"),

@@ -5,6 +5,7 @@ Triton kernel under the interpreter."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -231,3 +232,33 @@ def test_json_answer_ends_the_step_its_grammar_closes(harness):
         assert text(harness, out).endswith("}")
         # Every output token is part of the text: the last one closed the object.
         assert harness.vocab.decode(out.tokens[:-1]) != text(harness, out)
+
+
+def test_logprobs_are_of_the_sampled_distribution_and_change_no_token(harness, compiled):
+    plain = harness.run([make(harness, "p", seed=5, temperature=0.0, max_tokens=12)])["p"]
+    asked = harness.run([make(harness, "p", seed=5, temperature=0.0, max_tokens=12,
+                              logprobs=True, top_logprobs=5)])["p"]
+    assert asked.tokens == plain.tokens and len(asked.logprobs) == len(asked.tokens)
+    for token, (lp, top_ids, top_lps) in zip(asked.tokens, asked.logprobs, strict=True):
+        assert len(top_ids) == 5 and top_lps == sorted(top_lps, reverse=True)
+        assert top_ids[0] == token and lp == pytest.approx(top_lps[0])  # greedy: the argmax
+        assert all(v <= 0 for v in top_lps)
+    bare = harness.run([make(harness, "b", seed=5, max_tokens=6, logprobs=True)])["b"]
+    assert bare.logprobs and all(ids == [] and v == [] and lp <= 0
+                                 for lp, ids, v in bare.logprobs)
+
+
+def test_guided_logprobs_cover_only_tokens_the_grammar_allows(harness, compiled):
+    mix = constraint_mix()
+    i = next(i for i, (kind, _) in enumerate(mix) if kind == "choice")
+    out = harness.run([make(harness, "c", seed=7, max_tokens=24, compiled=compiled[i],
+                            logprobs=True, top_logprobs=20)])["c"]
+    assert out.reason == GRAMMAR_COMPLETED and len(out.logprobs) == len(out.tokens)
+    matcher = xgr.GrammarMatcher(compiled[i])
+    for token, (lp, top_ids, top_lps) in zip(out.tokens, out.logprobs, strict=True):
+        assert lp <= 0 and (token in top_ids or len(top_ids) == 20)
+        for alt in top_ids:  # every alternative is a token the grammar allowed here
+            assert matcher.accept_token(alt), alt
+            matcher.rollback(1)
+        assert sum(math.exp(v) for v in top_lps) <= 1 + 1e-4
+        assert matcher.accept_token(token)

@@ -58,6 +58,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: bool = False             # return each token's log-probability (TokenLogprob)
+    top_logprobs: int = 0              # and this many most likely alternatives
     grammar: object | None = None      # a GrammarHandle pinned in the worker's grammar cache
     matcher: object | None = None      # this rank's own xgrammar.GrammarMatcher (I1)
     session: object | None = None
@@ -93,6 +95,8 @@ class RowOutput:
     req: Request
     tokens: list[int] = field(default_factory=list)
     finish: Finish | None = None
+    # With req.logprobs, one per token: (logprob, top token ids, top logprobs).
+    logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -146,6 +150,25 @@ class _InFlight:
     done: torch.cuda.Event | None  # recorded after the copy (CUDA)
     step: int
     row_of: dict[int, int]         # slot -> row in `tokens`
+    # Rows that asked for logprobs: (their indices in `rows`, (L, 1 + k) logprobs and
+    # (L, k) token ids on the host, ready with `done`); None when no row asked.
+    logprobs: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+
+
+def _logprob_rows(inflight: _InFlight) -> dict[int, tuple[float, list[int], list[float]]]:
+    """Row index -> (logprob, top ids, top logprobs) of a committed step; top entries that
+    the mask left impossible (fewer allowed tokens than asked) are dropped."""
+    if inflight.logprobs is None:
+        return {}
+    asked, values, ids = inflight.logprobs
+    values, ids = values.tolist(), ids.tolist()
+    out = {}
+    for n, j in enumerate(asked):
+        k = inflight.rows[j].req.top_logprobs
+        top = [(t, v) for t, v in zip(ids[n][:k], values[n][1:k + 1], strict=True)
+               if v > float("-inf")]
+        out[j] = (values[n][0], [t for t, _ in top], [v for _, v in top])
+    return out
 
 
 @dataclass(frozen=True)
@@ -360,6 +383,7 @@ class Engine:
         # One device-to-host copy per step, started now and waited for at the commit.
         host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=picked.is_cuda)
         host.copy_(picked, non_blocking=True)
+        lp = self._logprobs(logits, tokens, rows)
         done = torch.cuda.Event() if picked.is_cuda else None
         if done is not None:
             done.record()
@@ -367,7 +391,30 @@ class Engine:
             r.pending = 1
         t["sample"] = time.perf_counter() - t_sample
         return _InFlight(rows, picked.clamp(min=0), host, done, self.step_index,
-                         {r.slot: j for j, r in enumerate(rows)})
+                         {r.slot: j for j, r in enumerate(rows)}, lp)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[Run]):
+        """Log-probabilities of the rows that asked: of `logits` as masked (temperature 1),
+        the sampled token's and the top-k, copied to the host with the tokens."""
+        asked = [j for j, r in enumerate(rows) if r.req.logprobs]
+        if not asked:
+            return None
+        k = max(rows[j].req.top_logprobs for j in asked)
+        idx = torch.tensor(asked, device=logits.device)
+        sub = logits.index_select(0, idx)                               # (L, V) masked
+        lse = torch.logsumexp(sub, dim=-1, keepdim=True)                # (L, 1)
+        values = sub.gather(1, tokens.index_select(0, idx)[:, None])    # (L, 1)
+        ids = torch.empty((len(asked), 0), dtype=torch.int64, device=logits.device)
+        if k:
+            top_v, ids = sub.topk(k, dim=-1)                            # (L, k), sorted
+            values = torch.cat([values, top_v], dim=1)
+        values = values - lse                                           # (L, 1 + k)
+        pin = logits.is_cuda
+        values_host = torch.empty(values.shape, dtype=values.dtype, pin_memory=pin)
+        ids_host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=pin)
+        values_host.copy_(values, non_blocking=True)
+        ids_host.copy_(ids, non_blocking=True)
+        return asked, values_host, ids_host
 
     def _commit(self, inflight: _InFlight, t: dict[str, float]) -> None:
         """The host side of a sampled step: check divergence, accept each token into the
@@ -387,9 +434,10 @@ class Engine:
             diverged = set(diverged_rows(picked, self.control))
             if diverged and self.metrics is not None:
                 self.metrics.tp_divergence.inc()
+        lp = _logprob_rows(inflight)
         for j, r in enumerate(rows):
             if self.runs.get(r.slot) is r:  # not released while its token was in flight
-                self._advance(r, picked[j], j in diverged)
+                self._advance(r, picked[j], j in diverged, lp.get(j))
         # Start the next step's fills now, while its forward runs.
         ahead = [r for r in rows if r.req.matcher is not None and self.runs.get(r.slot) is r]
         if ahead:
@@ -406,8 +454,9 @@ class Engine:
         for r in runs:
             r.mask_fill = future
 
-    def _advance(self, r: Run, token: int, diverged: bool) -> None:
-        """Take row r's sampled token (-1: the row had no allowed token)."""
+    def _advance(self, r: Run, token: int, diverged: bool, logprob=None) -> None:
+        """Take row r's sampled token (-1: the row had no allowed token) and, when the
+        request asked, its (logprob, top ids, top logprobs)."""
         req = r.req
         if diverged:
             log.error("TP divergence on slot %d (request %s)", r.slot, req.request_id)
@@ -427,7 +476,10 @@ class Engine:
             token in self.eos and (req.matcher is not None or not req.ignore_eos))
         if not ends:
             r.emitted += 1
-            self._output(req).tokens.append(token)
+            out = self._output(req)
+            out.tokens.append(token)
+            if logprob is not None:
+                out.logprobs.append(logprob)
         if req.matcher is not None and (req.matcher.is_terminated() or self._can_only_end(req)):
             return self._finish(r, GRAMMAR_COMPLETED)
         if ends:  # a guided row only samples a stop id where its grammar allows one

@@ -78,7 +78,7 @@ def request_from_proto(msg: worker_pb2.AdmitRequest, vocab: Vocab, max_model_len
         request_id=msg.request_id, prompt=prompt, max_tokens=s.max_tokens,
         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
         seed=s.seed_int64, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
-        min_tokens=s.min_tokens)
+        min_tokens=s.min_tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs)
 
 
 def finished_proto(finish: eng.Finish, prompt_tokens: int) -> worker_pb2.Finished:
@@ -95,6 +95,9 @@ def step_update(step: int, outputs: list[eng.RowOutput]) -> worker_pb2.SessionEv
     rows = []
     for out in outputs:
         row = worker_pb2.RowUpdate(tag=out.req.tag, token_ids=out.tokens)
+        for (token, (logprob, top_ids, top_lps)) in zip(out.tokens, out.logprobs, strict=False):
+            row.logprobs.add(token_id=token, logprob=logprob, top_token_ids=top_ids,
+                             top_logprobs=top_lps)
         if out.finish is not None:
             row.finished.CopyFrom(finished_proto(out.finish, len(out.req.prompt)))
         rows.append(row)
