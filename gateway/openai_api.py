@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException
 
 from gateway import openai_responses as orsp
 from gateway import openai_translate as ot
+from gateway.choices import Fanout
 from protos import gateway_pb2
 from protos.rpc import ServiceError
 
@@ -55,41 +56,12 @@ def _as_openai(exc: BaseException, plan: ot.Plan | None) -> ot.OpenAIError:
                           type="server_error", code="internal_error")
 
 
-class _Fanout:
-    """The choices of one request running concurrently; their events on one queue.
-
-    Each choice's generator is drained by its own task from the start, so a choice waiting
-    for a slot never waits on another choice that is not being read.
-    """
-
-    def __init__(self, servicer, plan: ot.Plan):
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(i, servicer, r, plan.timeout))
-                       for i, r in enumerate(plan.requests)]
-
-    async def _pump(self, i: int, servicer, request, timeout) -> None:
-        try:
-            async for event in servicer.generate(request, timeout):
-                self._queue.put_nowait((i, event))
-        except Exception as exc:  # the reader decides what the request's answer is
-            self._queue.put_nowait((i, exc))
-
-    async def next(self) -> tuple[int, gateway_pb2.GenerateResponse | Exception]:
-        return await self._queue.get()
-
-    async def close(self) -> None:
-        """Cancel every choice still running (their slots are released) and wait."""
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-async def _collect(fan: _Fanout, n: int) -> list[gateway_pb2.Final]:
+async def _collect(fan: Fanout, n: int) -> list[gateway_pb2.Final]:
     finals: list = [None] * n
     left = n
     while left:
@@ -189,7 +161,7 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream_body(fan: _Fanout, writer: _ChatStream, buffered: list) -> AsyncIterator[str]:
+async def _stream_body(fan: Fanout, writer: _ChatStream, buffered: list) -> AsyncIterator[str]:
     try:
         try:
             for i, event in buffered:
@@ -253,7 +225,7 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
                 raise ot.bad(None, f"the request body is not JSON: {exc}") from None
             plan = translate(body, servicer.limits)
             model = servicer.model_info().id
-            fan = _Fanout(servicer, plan)
+            fan = Fanout(servicer, plan.requests, plan.timeout)
         except Exception as exc:
             return _error_response(_as_openai(exc, plan))
         created = int(time.time())

@@ -34,11 +34,11 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
+from gateway.choices import MAX_N
 from gateway.validation import Limits, validate_sampling
 from protos import common_pb2, gateway_pb2
 from protos.rpc import InvalidArgument
 
-MAX_N = 16
 _WHITESPACE = {"bounded": common_pb2.WHITESPACE_BOUNDED, "compact": common_pb2.WHITESPACE_COMPACT,
                "any": common_pb2.WHITESPACE_ANY}
 _STRUCTURED_KINDS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")

@@ -26,6 +26,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from gateway.chat import chat_prompt_ids, parse_tools
+from gateway.choices import MAX_N, choice_requests, merged
 from gateway.config import GatewayConfig, add_gateway_args
 from gateway.generation import Job, Runner, service_error
 from gateway.grammar_refs import GrammarRefs
@@ -82,6 +83,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request, context):
         arrived = time.monotonic()
+        if not 0 <= request.n <= MAX_N:
+            raise InvalidArgument(f"must be 1 to {MAX_N} (0 means 1), got {request.n}",
+                                  field="n")
+        if request.n > 1:
+            choices = choice_requests(request, request.n)
+            async for response in merged(self, choices, context.time_remaining()):
+                yield response
+            return
         async for response in self.generate(request, context.time_remaining(), arrived):
             yield response
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/gateway.proto\x12\x0cgramserve.v1\x1a\x13protos/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xad\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.gramserve.v1.ChatMessage\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.gramserve.v1.SamplingParams\x12-\n\nconstraint\x18\x06 \x01(\x0b\x32\x19.gramserve.v1.GrammarSpec\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\ntools_json\x18\x0c \x01(\t\x12\x1d\n\x15\x65\x63ho_prompt_token_ids\x18\r \x01(\x08\x42\t\n\x07_prompt\"g\n\x10GenerateResponse\x12$\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x13.gramserve.v1.DeltaH\x00\x12$\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x13.gramserve.v1.FinalH\x00\x42\x07\n\x05\x65vent\"V\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.gramserve.v1.TokenLogprob\"u\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompile_seconds\x18\x02 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01\"\xd1\x02\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.gramserve.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.gramserve.v1.Usage\x12&\n\x07timings\x18\x05 \x01(\x0b\x32\x15.gramserve.v1.Timings\x12\x19\n\x0cschema_valid\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x14\n\x0cschema_error\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x14 \x03(\r\x12,\n\x08logprobs\x18\x15 \x03(\x0b\x32\x1a.gramserve.v1.TokenLogprobB\x0f\n\r_schema_valid\"U\n\x15\x43ompileGrammarRequest\x12-\n\nconstraint\x18\x01 \x01(\x0b\x32\x19.gramserve.v1.GrammarSpec\x12\r\n\x05model\x18\x02 \x01(\t\"\xa2\x01\n\x16\x43ompileGrammarResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\x12\x1b\n\x13unenforced_keywords\x18\x05 \x03(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x16\n\x0e\x62\x61\x63kend_reason\x18\x07 \x01(\t\"\x13\n\x11ListModelsRequest\"c\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x0e\n\x06groups\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.gramserve.v1.ModelInfo2\x84\x02\n\x07Gateway\x12K\n\x08Generate\x12\x1d.gramserve.v1.GenerateRequest\x1a\x1e.gramserve.v1.GenerateResponse0\x01\x12[\n\x0e\x43ompileGrammar\x12#.gramserve.v1.CompileGrammarRequest\x1a$.gramserve.v1.CompileGrammarResponse\x12O\n\nListModels\x12\x1f.gramserve.v1.ListModelsRequest\x1a .gramserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/gateway.proto\x12\x0cgramserve.v1\x1a\x13protos/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb8\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.gramserve.v1.ChatMessage\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.gramserve.v1.SamplingParams\x12-\n\nconstraint\x18\x06 \x01(\x0b\x32\x19.gramserve.v1.GrammarSpec\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\ntools_json\x18\x0c \x01(\t\x12\x1d\n\x15\x65\x63ho_prompt_token_ids\x18\r \x01(\x08\x12\t\n\x01n\x18\x0e \x01(\rB\t\n\x07_prompt\"v\n\x10GenerateResponse\x12$\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x13.gramserve.v1.DeltaH\x00\x12$\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x13.gramserve.v1.FinalH\x00\x12\r\n\x05index\x18\x03 \x01(\rB\x07\n\x05\x65vent\"V\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.gramserve.v1.TokenLogprob\"u\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompile_seconds\x18\x02 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01\"\xd1\x02\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.gramserve.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.gramserve.v1.Usage\x12&\n\x07timings\x18\x05 \x01(\x0b\x32\x15.gramserve.v1.Timings\x12\x19\n\x0cschema_valid\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x14\n\x0cschema_error\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x14 \x03(\r\x12,\n\x08logprobs\x18\x15 \x03(\x0b\x32\x1a.gramserve.v1.TokenLogprobB\x0f\n\r_schema_valid\"U\n\x15\x43ompileGrammarRequest\x12-\n\nconstraint\x18\x01 \x01(\x0b\x32\x19.gramserve.v1.GrammarSpec\x12\r\n\x05model\x18\x02 \x01(\t\"\xa2\x01\n\x16\x43ompileGrammarResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\x12\x17\n\x0f\x63ompile_seconds\x18\x04 \x01(\x01\x12\x1b\n\x13unenforced_keywords\x18\x05 \x03(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x16\n\x0e\x62\x61\x63kend_reason\x18\x07 \x01(\t\"\x13\n\x11ListModelsRequest\"c\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x0e\n\x06groups\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.gramserve.v1.ModelInfo2\x84\x02\n\x07Gateway\x12K\n\x08Generate\x12\x1d.gramserve.v1.GenerateRequest\x1a\x1e.gramserve.v1.GenerateResponse0\x01\x12[\n\x0e\x43ompileGrammar\x12#.gramserve.v1.CompileGrammarRequest\x1a$.gramserve.v1.CompileGrammarResponse\x12O\n\nListModels\x12\x1f.gramserve.v1.ListModelsRequest\x1a .gramserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,25 +35,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=59
   _globals['_CHATMESSAGE']._serialized_end=103
   _globals['_GENERATEREQUEST']._serialized_start=106
-  _globals['_GENERATEREQUEST']._serialized_end=407
-  _globals['_GENERATERESPONSE']._serialized_start=409
-  _globals['_GENERATERESPONSE']._serialized_end=512
-  _globals['_DELTA']._serialized_start=514
-  _globals['_DELTA']._serialized_end=600
-  _globals['_TIMINGS']._serialized_start=602
-  _globals['_TIMINGS']._serialized_end=719
-  _globals['_FINAL']._serialized_start=722
-  _globals['_FINAL']._serialized_end=1059
-  _globals['_COMPILEGRAMMARREQUEST']._serialized_start=1061
-  _globals['_COMPILEGRAMMARREQUEST']._serialized_end=1146
-  _globals['_COMPILEGRAMMARRESPONSE']._serialized_start=1149
-  _globals['_COMPILEGRAMMARRESPONSE']._serialized_end=1311
-  _globals['_LISTMODELSREQUEST']._serialized_start=1313
-  _globals['_LISTMODELSREQUEST']._serialized_end=1332
-  _globals['_MODELINFO']._serialized_start=1334
-  _globals['_MODELINFO']._serialized_end=1433
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1435
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1496
-  _globals['_GATEWAY']._serialized_start=1499
-  _globals['_GATEWAY']._serialized_end=1759
+  _globals['_GENERATEREQUEST']._serialized_end=418
+  _globals['_GENERATERESPONSE']._serialized_start=420
+  _globals['_GENERATERESPONSE']._serialized_end=538
+  _globals['_DELTA']._serialized_start=540
+  _globals['_DELTA']._serialized_end=626
+  _globals['_TIMINGS']._serialized_start=628
+  _globals['_TIMINGS']._serialized_end=745
+  _globals['_FINAL']._serialized_start=748
+  _globals['_FINAL']._serialized_end=1085
+  _globals['_COMPILEGRAMMARREQUEST']._serialized_start=1087
+  _globals['_COMPILEGRAMMARREQUEST']._serialized_end=1172
+  _globals['_COMPILEGRAMMARRESPONSE']._serialized_start=1175
+  _globals['_COMPILEGRAMMARRESPONSE']._serialized_end=1337
+  _globals['_LISTMODELSREQUEST']._serialized_start=1339
+  _globals['_LISTMODELSREQUEST']._serialized_end=1358
+  _globals['_MODELINFO']._serialized_start=1360
+  _globals['_MODELINFO']._serialized_end=1459
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1461
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1522
+  _globals['_GATEWAY']._serialized_start=1525
+  _globals['_GATEWAY']._serialized_end=1785
 # @@protoc_insertion_point(module_scope)

@@ -116,6 +116,31 @@ def test_seed_is_chosen_and_reported_when_missing_and_reproduces(stub):
     assert again.text == first.text
 
 
+def test_n_choices_are_separate_requests_with_consecutive_seeds_and_logprobs(stub):
+    req = gateway_pb2.GenerateRequest(
+        prompt="Hello", n=3, constraint=spec("json_schema", SCHEMAS[0]),
+        sampling=common_pb2.SamplingParams(max_tokens=40, seed=11, logprobs=True,
+                                           top_logprobs=2))
+    out = list(stub.Generate(req, timeout=120))
+    finals = {r.index: r.final for r in out if r.HasField("final")}
+    assert sorted(finals) == [0, 1, 2] and out[-1].HasField("final")
+    for i, final in finals.items():  # each choice is the request alone with seed 11 + i
+        deltas = [r.delta for r in out if r.HasField("delta") and r.index == i]
+        assert "".join(d.text for d in deltas) == final.text and final.schema_valid
+        assert [lp.token_id for lp in final.logprobs] == [t for d in deltas for t in d.token_ids]
+        assert all(lp.logprob <= 0 and len(lp.top_token_ids) <= 2 for lp in final.logprobs)
+        _, alone = generate(stub, constraint=spec("json_schema", SCHEMAS[0]),
+                            sampling={"max_tokens": 40, "seed": 11 + i})
+        assert alone.text == final.text and alone.seed == 11 + i
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(gateway_pb2.GenerateRequest(prompt="x", n=17), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, sampling={"top_logprobs": 3})
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.top_logprobs" in info.value.details()
+
+
 def test_non_ascii_text_round_trips(stub):
     text = "Zoë → 日本語 🙂"
     deltas, final = generate(stub, constraint=common_pb2.GrammarSpec(
