@@ -230,9 +230,9 @@ def table(summary: dict[str, dict]) -> str:
         ("backend used (llg / xgr)", lambda s: f"{s.get('backend_llguidance', 0)} / "
                                                 f"{s.get('backend_xgrammar', 0)}"),
     ]
-    lines = [f"{'':<28}" + "".join(f"{m:>22}" for m in summary)]
+    lines = [f"{'':<28}" + "".join(f"{m:>28}" for m in summary)]
     for label, cell in rows:
-        lines.append(f"{label:<28}" + "".join(f"{cell(s):>22}" for s in summary.values()))
+        lines.append(f"{label:<28}" + "".join(f"{cell(s):>28}" for s in summary.values()))
     return "\n".join(lines)
 
 
