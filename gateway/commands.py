@@ -43,22 +43,45 @@ def add_constraint_args(p: argparse.ArgumentParser) -> None:
                    help="refuse schemas with keywords the grammar does not enforce")
 
 
+# Largest constraint file read (the gateway refuses larger requests anyway); a bound also
+# keeps `--json-schema /dev/zero` from reading forever.
+MAX_FILE_BYTES = 4 * 1024 * 1024
+
+
+def read_arg_file(path: str, flag: str) -> str:
+    """The UTF-8 text of the file a flag names. ValueError naming the flag when it cannot be
+    read, is larger than MAX_FILE_BYTES or is not UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ValueError(f"{flag}: {path} is larger than {MAX_FILE_BYTES} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{flag}: {path} is not UTF-8 ({exc.reason} at byte {exc.start})") \
+            from None
+
+
 def constraint_from_args(ns: argparse.Namespace) -> common_pb2.GrammarSpec:
-    """The GrammarSpec the constraint flags describe (no kind set when none was given)."""
+    """The GrammarSpec the constraint flags describe (no kind set when none was given).
+    ValueError naming the flag when a file cannot be read."""
     spec = common_pb2.GrammarSpec(options=common_pb2.GrammarOptions(
         whitespace=_WHITESPACE[ns.whitespace], strict=ns.strict))
     if ns.json_schema:
-        spec.json_schema = Path(ns.json_schema).read_text()
+        spec.json_schema = read_arg_file(ns.json_schema, "--json-schema")
     elif ns.regex is not None:
         spec.regex = ns.regex
     elif ns.ebnf:
-        spec.ebnf = Path(ns.ebnf).read_text()
+        spec.ebnf = read_arg_file(ns.ebnf, "--ebnf")
     elif ns.choice:
         spec.choice.choices.extend(ns.choice)
     elif ns.json_object:
         spec.json_object.SetInParent()
     elif ns.structural_tag:
-        spec.structural_tag = Path(ns.structural_tag).read_text()
+        spec.structural_tag = read_arg_file(ns.structural_tag, "--structural-tag")
     return spec
 
 
@@ -100,7 +123,7 @@ def _prompt_fields(ns: argparse.Namespace) -> dict:
         if ns.tools:
             raise ValueError("--tools needs --messages")
         return {"prompt": ns.prompt}
-    raw = sys.stdin.read() if ns.messages == "-" else Path(ns.messages).read_text()
+    raw = sys.stdin.read() if ns.messages == "-" else read_arg_file(ns.messages, "--messages")
     messages = json.loads(raw)
     if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -109,22 +132,30 @@ def _prompt_fields(ns: argparse.Namespace) -> dict:
     out = {"messages": [gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
                         for m in messages]}
     if ns.tools:
-        out["tools_json"] = Path(ns.tools).read_text()
+        out["tools_json"] = read_arg_file(ns.tools, "--tools")
     return out
 
 
 def generate_main(ns: argparse.Namespace) -> int:
     """Stream one generation to stdout. 0 ok, 2 rejected, 1 other failures."""
     sampling = common_pb2.SamplingParams(stop=ns.stop, ignore_eos=ns.ignore_eos)
-    for name in ("max_tokens", "temperature", "top_p", "seed"):
-        if getattr(ns, name) is not None:
-            setattr(sampling, name, getattr(ns, name))
     try:
+        for name in ("max_tokens", "temperature", "top_p", "seed"):
+            value = getattr(ns, name)
+            if value is None:
+                continue
+            try:
+                setattr(sampling, name, value)
+            except (ValueError, TypeError):
+                raise ValueError(f"--{name.replace('_', '-')}: {value} is out of range"
+                                 + (" (a seed is in [0, 2**64))" if name == "seed" else "")
+                                 ) from None
         fields = _prompt_fields(ns)
+        constraint = constraint_from_args(ns)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    req = gateway_pb2.GenerateRequest(sampling=sampling, constraint=constraint_from_args(ns),
+    req = gateway_pb2.GenerateRequest(sampling=sampling, constraint=constraint,
                                       echo_prompt_token_ids=ns.json, **fields)
     ch, stub = _stub(ns)
     final = None
@@ -169,7 +200,11 @@ def compile_parser(p: argparse.ArgumentParser) -> None:
 
 def compile_main(ns: argparse.Namespace) -> int:
     """Check and compile a constraint; print its key. 0 ok, 2 invalid, 1 other failures."""
-    req = gateway_pb2.CompileGrammarRequest(constraint=constraint_from_args(ns))
+    try:
+        req = gateway_pb2.CompileGrammarRequest(constraint=constraint_from_args(ns))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     ch, stub = _stub(ns)
     try:
         resp = stub.CompileGrammar(req, timeout=ns.timeout)

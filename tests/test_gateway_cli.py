@@ -72,6 +72,20 @@ def test_generate_constraint_flags_build_the_spec(tmp_path):
         p.parse_args(["--regex", "a", "--json-object", "x"])
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--json-schema", "/no/such.json", "hi"], "--json-schema: cannot read"),
+    (["generate", "--seed", "-1", "hi"], "--seed: -1 is out of range"),
+    (["compile", "--json-schema", "/dev/zero"], "--json-schema: /dev/zero is larger than"),
+    (["generate", "--ebnf", "BINARY", "hi"], "--ebnf: BINARY is not UTF-8"),
+])
+def test_bad_client_flags_end_with_a_message_naming_the_flag(argv, message, capsys, tmp_path):
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(b"\xff\xfe\x00")
+    argv = [str(binary) if a == "BINARY" else a for a in argv]
+    assert cli.main([*argv, "--addr", "127.0.0.1:1", "--timeout", "2"]) == 2
+    assert message.replace("BINARY", str(binary)) in capsys.readouterr().err
+
+
 def test_generate_against_nothing_listening_exits_1(capsys):
     assert cli.main(["generate", "--addr", "127.0.0.1:1", "--timeout", "2", "hi"]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err

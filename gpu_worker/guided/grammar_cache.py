@@ -257,14 +257,22 @@ class WorkerGrammarCache:
         if spec is not None:
             request.spec.CopyFrom(spec)
         call = self._stub.Fetch(request, timeout=self._timeout)
+        # The deadline again, from this side: a Fetch started as the service went away (its
+        # connection closing with GOAWAY) was seen waiting past grpc's own deadline.
+        watchdog = threading.Timer(self._timeout + 1.0, call.cancel)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             return self._read_chunks(key, call)
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details()
+            if code == grpc.StatusCode.CANCELLED and not watchdog.is_alive():
+                code, details = grpc.StatusCode.UNAVAILABLE, f"no answer in {self._timeout} s"
             error = _STATUS_ERRORS.get(code, Unavailable)
             raise error(f"grammar service ({self._addr}) on Fetch({key!r}): "
                         f"{code.name}: {details}") from None
         finally:
+            watchdog.cancel()
             call.cancel()  # no-op when the stream ended; stops it when we refuse a chunk
 
     def _read_chunks(self, key: str, call) -> tuple[str, bytes]:
