@@ -396,6 +396,8 @@ class Engine:
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[Run]):
         """Log-probabilities of the rows that asked: of `logits` as masked (temperature 1),
         the sampled token's and the top-k, copied to the host with the tokens."""
+        if self.publish is None:  # a follower rank sends no tokens, so no logprobs either
+            return None
         asked = [j for j, r in enumerate(rows) if r.req.logprobs]
         if not asked:
             return None
