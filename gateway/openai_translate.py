@@ -34,7 +34,7 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
-from gateway.choices import MAX_N
+from gateway.choices import MAX_N, choice_requests
 from gateway.validation import Limits, validate_sampling
 from protos import common_pb2, gateway_pb2
 from protos.rpc import InvalidArgument
@@ -439,12 +439,8 @@ def _common(body: dict, endpoint: str, limits: Limits) -> tuple[
 
 
 def _fan_out(plan: Plan, base: gateway_pb2.GenerateRequest, n: int, prompt_index: int) -> None:
-    for j in range(n):
-        req = gateway_pb2.GenerateRequest()
-        req.CopyFrom(base)
+    for req in choice_requests(base, n):
         req.request_id = f"{plan.id}-{len(plan.requests)}"
-        if base.sampling.HasField("seed"):
-            req.sampling.seed = (base.sampling.seed + j) % 2**64
         plan.requests.append(req)
         plan.prompt_of.append(prompt_index)
 
