@@ -48,9 +48,6 @@ BUILTIN_SCHEMAS = (
 # bench/schemas/<family>/*.json in a source checkout (the families are benchmark data).
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "bench" / "schemas"
 FAMILIES = ("builtin", "short", "long")
-_BACKENDS = {"auto": common_pb2.GRAMMAR_BACKEND_AUTO,
-             "xgrammar": common_pb2.GRAMMAR_BACKEND_XGRAMMAR,
-             "llguidance": common_pb2.GRAMMAR_BACKEND_LLGUIDANCE}
 _PROMPTS = ("Describe a person.", "List some tags.", "What is the weather like?",
             "Write a short sentence.", "Give me a record.")
 _READY_TIMEOUT_S = 120.0  # for client processes to start and connect
@@ -92,7 +89,9 @@ def bench_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schema-family", choices=FAMILIES, default="builtin",
                    help="built-in schema set: builtin (3 small), short (10-40 tokens), "
                         "long (~100 tokens), from bench/schemas/")
-    p.add_argument("--backend", choices=tuple(_BACKENDS), default="auto",
+    p.add_argument("--backend", default="auto",
+                   choices=[k.removeprefix("GRAMMAR_BACKEND_").lower()
+                            for k in common_pb2.GrammarBackend.keys()],
                    help="grammar backend of the guided requests (GrammarOptions.backend)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -128,7 +127,8 @@ def make_request(i: int, ns, schemas: list[str]) -> tuple[gateway_pb2.GenerateRe
     if guided:
         req.constraint.json_schema = rng.choice(schemas)
         req.constraint.options.whitespace = common_pb2.WHITESPACE_COMPACT
-        req.constraint.options.backend = _BACKENDS[ns.backend]
+        req.constraint.options.backend = common_pb2.GrammarBackend.Value(
+            f"GRAMMAR_BACKEND_{ns.backend.upper()}")
     return req, guided
 
 
