@@ -9,6 +9,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from procs import ROOT
 
 from protos.rpc import check_health
@@ -41,12 +42,13 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_up_starts_serves_and_stops_cleanly_without_orphans(tmp_path):
+@pytest.mark.parametrize("gateways", [1, 2])
+def test_up_starts_serves_and_stops_cleanly_without_orphans(tmp_path, gateways):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
            "GRAMSERVE_TORCH_THREADS": "1", "GRAMSERVE_COMPILE_WORKERS": "1"}
     up = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "up", "--port", "0", "--http-port", "0",
-         "--slots", "2", "--max-model-len", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+         "--slots", "2", "--max-model-len", "128", "--gateways", str(gateways)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env=env, cwd=ROOT, start_new_session=True)
     try:
         lines = []
@@ -61,7 +63,14 @@ def test_up_starts_serves_and_stops_cleanly_without_orphans(tmp_path):
             if "Ctrl-C" in line:
                 break
             metrics_lines.append(line)
-        assert sum("/metrics" in m for m in metrics_lines) == 4  # grammar, gateway, 2 ranks
+        # grammar service, each gateway, 2 ranks; every gateway serves once `up` says so
+        gateway_metrics = [m.split()[-1] for m in metrics_lines
+                           if "/metrics" in m and "gateway" in m]
+        assert sum("/metrics" in m for m in metrics_lines) == 3 + gateways
+        assert len(gateway_metrics) == gateways
+        for url in gateway_metrics:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                assert r.status == 200
         assert check_health(addr)
         (http,) = [m.split()[-1] for m in metrics_lines if "OpenAI-compatible HTTP" in m]
         with urllib.request.urlopen(http.removesuffix("/v1") + "/health", timeout=10) as r:
@@ -73,7 +82,7 @@ def test_up_starts_serves_and_stops_cleanly_without_orphans(tmp_path):
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["text"] in ("yes", "no")
         family = _descendants(up.pid)
-        assert len(family) >= 5  # grammar service, group launcher, 2 ranks, gateway
+        assert len(family) >= 4 + gateways  # grammar service, group launcher, 2 ranks, gateways
         up.send_signal(signal.SIGTERM)
         rest = up.communicate(timeout=60)[0]
         assert up.returncode == 0, rest
