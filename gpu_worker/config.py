@@ -34,6 +34,8 @@ class WorkerConfig:
     torch_threads: int
     cuda_graph_max_tokens: int
     mask_fill_threads: int
+    forced_tokens: bool
+    accept_first: bool
     tls_cert: str
     tls_key: str
     tls_ca: str
@@ -66,6 +68,18 @@ class WorkerConfig:
         """Parse flags (GRAMSERVE_<FLAG> env vars as defaults); ValueError names a bad flag."""
         args = parser().parse_args(argv)
         return cls(**{k: v for k, v in vars(args).items()})
+
+
+def _flag(text) -> bool:
+    """A boolean from a GRAMSERVE_<FLAG> value: 1/0, true/false, yes/no, on/off."""
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,6 +122,14 @@ def parser() -> argparse.ArgumentParser:
                         "alike) from CUDA graphs captured at start-up (0 = eager)")
     p.add_argument("--mask-fill-threads", type=int, default=e("mask_fill_threads", 0),
                    help="threads filling the guided rows' bitmasks (0 = one per core)")
+    p.add_argument("--forced-tokens", action=argparse.BooleanOptionalAction,
+                   type=_flag, default=e("forced_tokens", True),
+                   help="take tokens the grammar allows alone without sampling, several per "
+                        "step (same output; --no-forced-tokens turns it off)")
+    p.add_argument("--accept-first", action=argparse.BooleanOptionalAction,
+                   type=_flag, default=e("accept_first", True),
+                   help="sample greedy and temperature-only guided rows unmasked first and "
+                        "mask only refused ones (same output; --no-accept-first turns it off)")
     p.add_argument("--tls-cert", default=e("tls_cert", ""), help="server certificate PEM file")
     p.add_argument("--tls-key", default=e("tls_key", ""), help="server private key PEM file")
     p.add_argument("--tls-ca", default=e("tls_ca", ""),

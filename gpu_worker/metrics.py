@@ -40,6 +40,29 @@ class WorkerMetrics:
         self.mask_apply_seconds = Histogram(
             "gramserve_worker_mask_apply_seconds", "Time to apply the bitmask to the logits.",
             buckets=_FAST_BUCKETS, registry=registry)
+        self.mask_fills = Counter(
+            "gramserve_worker_mask_fills_total",
+            "Bitmask rows filled (for sampling, forced-token checks and resamples).",
+            registry=registry)
+        self.forced_tokens = Counter(
+            "gramserve_worker_forced_tokens_total",
+            "Output tokens taken without sampling: the only token the grammar allowed.",
+            registry=registry)
+        self.forced_chains = Counter(
+            "gramserve_worker_forced_chains_total",
+            "Chains of forced tokens, each fed to its row's next forward as one chunk.",
+            registry=registry)
+        self.accept_first_sampled = Counter(
+            "gramserve_worker_accept_first_total",
+            "Guided tokens sampled unmasked first (accept-first).", registry=registry)
+        self.accept_first_refused = Counter(
+            "gramserve_worker_resamples_total",
+            "Accept-first tokens the grammar refused, resampled with the row's mask.",
+            registry=registry)
+        self.row_forwards = Counter(
+            "gramserve_worker_decode_row_forwards_total",
+            "Decode rows run through a forward (one row may feed several tokens).",
+            registry=registry)
         self.guided_slots = Gauge(
             "gramserve_worker_guided_slots", "Running slots with a grammar.", registry=registry)
         self.grammar_dead_ends = Counter(

@@ -12,6 +12,24 @@ One step, identical on every rank:
   6. optional all-reduce of the sampled ids (divergence check), then each rank accepts the
      token into its own matcher (I1), dead ends fail one request (I6), finished slots are
      freed with every piece of their state dropped (I5).
+
+Two shortcuts do less work for exactly the same tokens (each can be turned off):
+- Forced tokens (`forced_tokens`): after a row's token is accepted, the fill thread follows
+  the chain of tokens its grammar allows alone (gpu_worker.guided.forced). The row skips
+  sampling, its chain is emitted at once and fed to its next forward as one chunk.
+- Accept-first (`accept_first`): sampling is argmax(logits / T + g) with per-request noise g,
+  so when the argmax over the whole vocabulary is a token the grammar allows, it is also the
+  argmax over the allowed tokens: the token mask-first sampling gives. Rows sampled greedily
+  or with temperature only (no top-k/top-p/min-p, no logprobs, past min_tokens) sample
+  unmasked and need no mask fill. Their token is checked when it is accepted, at the commit;
+  a refused token is resampled there from the step's saved logits with the row's mask (every
+  word written, I4) and the same noise, and the row's input of the forward already launched
+  is rewritten at its next feed (that row loses one step). A row backs off to mask-first for
+  1, 3, 7, ... up to `accept_first_max_backoff` samplings after a refusal, and halves its
+  backoff after an acceptance; the engine keeps the same level over all rows, and a new row
+  starts at it. So a model that does not follow the grammar soon samples nearly every guided
+  token mask-first, and costs about what mask-first costs. (Every rank sees the same
+  acceptances in the same order, so every rank makes the same choices.)
 The engine imports neither grpc nor protos: it hands each step's typed outputs (RowOutput,
 Finish) to `publish`, and the server translates them.
 """
@@ -21,7 +39,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -29,6 +48,7 @@ import torch
 
 from gpu_worker.control.lockstep import ControlChannel, diverged_rows
 from gpu_worker.control.slots import Entry, SlotTable
+from gpu_worker.guided.forced import ForcedScan, RowJob, prepare
 from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 from gpu_worker.sampling.sampler import SamplingBatch, sample
@@ -111,9 +131,16 @@ class Run:
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     pending: int = 0  # 1 while a sampled token is still on the device (not in `generated`)
+    fed: int = 0      # output tokens whose keys/values a launched forward writes
     emitted: int = 0
     first_token_at: float | None = None
-    mask_fill: Future | None = None  # the fill of this slot's bitmask row, once submitted
+    # The latest fill-thread job of this row (mask fill, forced tokens) and its RowJob,
+    # whose results may be read once `job` is done.
+    job: Future | None = None
+    prep: RowJob | None = None
+    stops: frozenset[int] = frozenset()  # ids that end the output (engine, request, grammar)
+    af_backoff: int = 0  # accept-first: mask-first samplings after the next refusal
+    af_skip: int = 0     # accept-first: mask-first samplings left before trying again
 
     @property
     def slot(self) -> int:
@@ -121,13 +148,13 @@ class Run:
 
     @property
     def known(self) -> int:
-        """Tokens sampled so far, the one still on the device included."""
+        """Output tokens so far, a sampled one still on the device included."""
         return len(self.generated) + self.pending
 
     @property
     def kv_len(self) -> int:
-        """Tokens in the slot's KV cache (the newest sampled token is not in it yet)."""
-        return self.prefilled + max(0, self.known - 1)
+        """Tokens in the slot's KV cache, or being written by a launched forward."""
+        return self.prefilled + self.fed
 
 
 @dataclass
@@ -153,6 +180,10 @@ class _InFlight:
     # Rows that asked for logprobs: (their indices in `rows`, (L, 1 + k) logprobs and
     # (L, k) token ids on the host, ready with `done`); None when no row asked.
     logprobs: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+    # Accept-first rows: row index -> row of `saved`, their (A, V) logits as sampled
+    # (unmasked), kept for a resample at the commit.
+    accept_first: dict[int, int] = field(default_factory=dict)
+    saved: torch.Tensor | None = None
 
 
 def _logprob_rows(inflight: _InFlight) -> dict[int, tuple[float, list[int], list[float]]]:
@@ -183,20 +214,26 @@ class EngineConfig:
     # num_slots (the scratch slot).
     cuda_graph_max_tokens: int = 0
     mask_fill_threads: int = 0       # xgrammar's batch fill threads (0 = one per core)
+    forced_tokens: bool = True       # follow single-allowed tokens without sampling
+    accept_first: bool = True        # sample temperature-only guided rows unmasked first
+    accept_first_max_backoff: int = 64
 
 
 class Engine:
     """Runs the step loop of one rank on its own thread.
 
     `publish(outputs)` (rank 0) receives, once per step, every request's RowOutput of that
-    step; it runs on the engine thread and must only hand the list on.
+    step; it runs on the engine thread and must only hand the list on. `token_bytes` (the
+    bytes of every ordinary token) lets the forced-token scan skip fills it can rule out.
+    `stats` counts what the shortcuts did (also exported as metrics).
     """
 
     def __init__(self, cfg: EngineConfig, model, table: SlotTable, control: ControlChannel, *,
                  vocab_size: int, model_vocab_size: int, eos_token_ids: tuple[int, ...],
                  device: torch.device, metrics=None,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 publish: Callable[[list[RowOutput]], None] | None = None):
+                 publish: Callable[[list[RowOutput]], None] | None = None,
+                 token_bytes: Iterable[bytes] | None = None):
         self.cfg = cfg
         self.model = model
         self.table = table
@@ -216,6 +253,11 @@ class Engine:
         self._inflight: _InFlight | None = None  # the sampled step whose tokens are on the way
         self.masks = MaskFiller(cfg.num_slots, model_vocab_size, device,
                                 fill_threads=cfg.mask_fill_threads or "auto")
+        self.scan = (ForcedScan(vocab_size, self.masks.width, token_bytes)
+                     if cfg.forced_tokens else None)
+        self.stats: Counter[str] = Counter()
+        self._redo: tuple[list[Run], torch.Tensor] | None = None  # resampled at the commit
+        self._af_level = 0  # the accept-first backoff over all rows; a new row starts at it
         # One bitmask row on the host for the "can the grammar only end here?" check.
         self._end_row = torch.empty((1, self.masks.width), dtype=torch.int32)
         self.graphs = None
@@ -253,7 +295,7 @@ class Engine:
             self.failed = exc
             log.error("engine stopped: %s", exc, exc_info=not isinstance(exc, RuntimeError))
             self.table.abort_step()
-            self._inflight = None
+            self._inflight = self._redo = None
             self._fail_all(UNAVAILABLE, f"worker rank failed: {exc}")
             self._flush()
             if self.on_fatal is not None:
@@ -279,8 +321,9 @@ class Engine:
             if self._inflight is not None:
                 inflight, self._inflight = self._inflight, None
                 self._commit(inflight, t)
-            if seqs:
+            if seqs or self._redo is not None:
                 self._inflight = self._sample(seqs, logits, t)
+            if seqs:
                 self._record(seqs, t, time.perf_counter() - t0)
         self._flush()
 
@@ -295,21 +338,29 @@ class Engine:
         for entry in decision.releases:
             self._finish(self.runs[entry.slot], CANCELLED, "released", table_done=True)
         for entry in decision.starts:
-            self.runs[entry.slot] = Run(entry, entry.payload, self.step_index)
+            req = entry.payload
+            stops = self.eos | req.stop_token_ids
+            if req.matcher is not None:
+                stops |= frozenset(req.matcher.stop_token_ids)
+            self.runs[entry.slot] = Run(entry, req, self.step_index, stops=stops,
+                                        af_backoff=self._af_level, af_skip=self._af_level)
         self.step_index += 1
         self._update_gauges()
 
     def _plan(self) -> list[Seq]:
-        """The sequences of this step; the same result on every rank. A row whose token in
-        flight ends it by length is not scheduled again."""
+        """The sequences of this step; the same result on every rank. A decode row feeds its
+        output tokens not yet in its cache: the newest sampled one (on the device while
+        pending), or a chain of forced tokens. A row whose token in flight ends it by length
+        is not scheduled again."""
         decode = [r for r in self.runs.values() if r.prefilled == len(r.req.prompt)
-                  and not (r.pending and self._ends_by_length(r))]
+                  and r.known > r.fed and not (r.pending and self._ends_by_length(r))]
         prefill = sorted((r for r in self.runs.values() if r.prefilled < len(r.req.prompt)),
                          key=lambda r: (r.start_step, r.slot))
-        seqs = [Seq(r, [r.generated[-1] if not r.pending else 0], True, False)
+        seqs = [Seq(r, [0] if r.pending else r.generated[r.fed:], True, False)
                 for r in sorted(decode, key=lambda r: r.slot)]
         # A long prompt is chunked so decoding slots keep their pace; some prefill always runs.
-        budget = max(self.cfg.step_tokens - len(seqs), 32 if prefill else 0)
+        budget = max(self.cfg.step_tokens - sum(len(s.tokens) for s in seqs),
+                     32 if prefill else 0)
         for r in prefill:
             if budget <= 0:
                 break
@@ -320,24 +371,36 @@ class Engine:
         return seqs
 
     def _ends_by_length(self, r: Run) -> bool:
-        return r.known >= r.req.max_tokens or r.kv_len + 1 >= self.cfg.max_model_len
+        return r.known >= r.req.max_tokens or r.prefilled + r.known >= self.cfg.max_model_len
+
+    def _accept_first(self, r: Run) -> bool:
+        """Whether r's next token is sampled unmasked first (see the module docstring)."""
+        q = r.req
+        return (self.cfg.accept_first and q.matcher is not None and r.af_skip == 0
+                and q.top_k == 0 and q.top_p >= 1.0 and q.min_p == 0.0 and not q.logprobs
+                and r.known >= q.min_tokens)
 
     def _execute(self, seqs: list[Seq]) -> torch.Tensor:
         """The forward of the step: (S, V) fp32 logits, one row per sequence. Rows that sample
-        for the first time get their mask fill submitted first, so it runs meanwhile. A row
-        whose newest token is still on the device gets it there (no host round trip)."""
+        for the first time get their fill-thread job submitted first, so it runs meanwhile. A
+        row whose newest token is still on the device gets it there (no host round trip)."""
         fresh = [s.run for s in seqs if s.samples and s.run.req.matcher is not None
-                 and s.run.mask_fill is None and not s.run.pending]
+                 and s.run.prep is None and not s.run.pending]
         if fresh:
-            self._submit_fill(fresh)
+            self._submit(fresh)
         slots, starts = [s.run.slot for s in seqs], [s.run.kv_len for s in seqs]
         tokens = [s.tokens for s in seqs]
         feed = None
         if self._inflight is not None:
             rows = self._inflight.row_of
-            dst = [i for i, s in enumerate(seqs) if s.run.pending]  # decode rows: one token each
+            dst, src, at = [], [], 0
+            for s in seqs:
+                if s.run.pending:  # one token, still on the device
+                    dst.append(at)
+                    src.append(rows[s.run.slot])
+                at += len(s.tokens)
             if dst:
-                feed = (self._inflight.tokens, dst, [rows[seqs[i].run.slot] for i in dst])
+                feed = (self._inflight.tokens, dst, src)
         if self.graphs is not None and self.graphs.fits(sum(map(len, tokens))):
             logits = self.graphs.run(slots, starts, tokens, feed)      # (S, V) fp32
         else:
@@ -349,41 +412,80 @@ class Engine:
         for s in seqs:
             if s.prefill:
                 s.run.prefilled += len(s.tokens)
+            else:
+                s.run.fed += len(s.tokens)
+        self.stats["row_forwards"] += sum(1 for s in seqs if not s.prefill)
         return logits
 
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor, t: dict[str, float]) -> _InFlight | None:
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor | None,
+                t: dict[str, float]) -> _InFlight | None:
         """Mask and sample the step's sampling rows on the device; start the copy of their
-        tokens to the host. Rows that ended while the forward ran are left out."""
-        sampling = [i for i, s in enumerate(seqs)
-                    if s.samples and self.runs.get(s.run.slot) is s.run]
-        rows = [seqs[i].run for i in sampling]
-        if not rows:
-            return None
-        guided = [j for j, r in enumerate(rows) if r.req.matcher is not None]
-        if len(rows) < logits.shape[0]:
-            logits = logits[torch.tensor(sampling, device=logits.device)]
-        logits = logits.contiguous()                                    # (R, V)
-        if self.vocab_size < logits.shape[1]:
-            logits[:, self.vocab_size:] = float("-inf")  # padded ids are no tokens
+        tokens to the host. First the rows' fill-thread jobs are waited for and their forced
+        chains taken: a row with a chain (or whose token is being resampled) does not sample
+        now. Rows that ended while the forward ran are left out. Tokens resampled at this
+        step's commit join the copy."""
+        live = [s.run for s in seqs if s.samples and self.runs.get(s.run.slot) is s.run]
         t_wait = time.perf_counter()
-        # The fill thread runs jobs in order, so a row's newest fill finishes last: waiting for
-        # every row's future means every guided row holds its matcher's current mask.
-        t["mask_fill"] = sum(f.result() for f in dict.fromkeys(rows[j].mask_fill for j in guided))
+        t["mask_fill"] = self._wait_jobs([r.job for r in live])
         t_mask = time.perf_counter()
         t["mask_fill_exposed"] = t_mask - t_wait
-        if guided:
-            for j in guided:
-                rows[j].mask_fill = None
-            self.masks.apply(logits, guided, [rows[j].slot for j in guided])
-        self._suppress_early_stop(logits, rows)
-        t_sample = time.perf_counter()
-        t["mask_apply"] = t_sample - t_mask
-        tokens, dead = sample(logits, self._sampling_batch(rows))
-        picked = torch.where(dead, -1, tokens)                          # (R,) a dead row is -1
+        for r in live:
+            r.job = None  # done; `prep` keeps its results until the row samples
+            if r.prep is not None and r.prep.chain:
+                self._take_chain(r)
+        keep = [i for i, s in enumerate(seqs) if s.samples and self.runs.get(s.run.slot) is s.run
+                and s.run.fed == s.run.known]
+        rows = [seqs[i].run for i in keep]
+        redo, self._redo = self._redo, None
+        if not rows and redo is None:
+            return None
+        parts, af = [], {}
+        lp = None
+        if rows:
+            if len(rows) < logits.shape[0]:
+                logits = logits[torch.tensor(keep, device=logits.device)]
+            logits = logits.contiguous()                                # (R, V)
+            if self.vocab_size < logits.shape[1]:
+                logits[:, self.vocab_size:] = float("-inf")  # padded ids are no tokens
+            masked = []
+            for j, r in enumerate(rows):
+                if r.req.matcher is None:
+                    continue
+                if self._accept_first(r):
+                    af[j] = len(af)
+                else:
+                    masked.append(j)
+                    r.af_skip = max(0, r.af_skip - 1)
+            stale = [rows[j] for j in masked if rows[j].prep is None or not rows[j].prep.mask_ok]
+            if stale:  # not filled for its current state yet (first sampling, a mode change)
+                self._submit(stale, need_mask=True, forced=False)
+                t["mask_fill"] += self._wait_jobs([r.job for r in stale])
+            for r in rows:
+                r.job = r.prep = None
+            t_mask = time.perf_counter()
+            if masked:
+                self.masks.apply(logits, masked, [rows[j].slot for j in masked])
+            self._suppress_early_stop(logits, rows)
+            saved = None
+            if af:
+                saved = logits.index_select(0, torch.tensor(list(af), device=logits.device))
+                self.stats["accept_first"] += len(af)
+                if self.metrics is not None:
+                    self.metrics.accept_first_sampled.inc(len(af))
+            t_sample = time.perf_counter()
+            t["mask_apply"] = t_sample - t_mask
+            tokens, dead = sample(logits, self._sampling_batch(rows))
+            parts.append(torch.where(dead, -1, tokens))                 # (R,) a dead row is -1
+            lp = self._logprobs(logits, tokens, rows)
+        else:
+            saved, t_sample = None, time.perf_counter()
+        if redo is not None:
+            rows = rows + redo[0]
+            parts.append(redo[1])
+        picked = parts[0] if len(parts) == 1 else torch.cat(parts)
         # One device-to-host copy per step, started now and waited for at the commit.
         host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=picked.is_cuda)
         host.copy_(picked, non_blocking=True)
-        lp = self._logprobs(logits, tokens, rows)
         done = torch.cuda.Event() if picked.is_cuda else None
         if done is not None:
             done.record()
@@ -391,7 +493,19 @@ class Engine:
             r.pending = 1
         t["sample"] = time.perf_counter() - t_sample
         return _InFlight(rows, picked.clamp(min=0), host, done, self.step_index,
-                         {r.slot: j for j, r in enumerate(rows)}, lp)
+                         {r.slot: j for j, r in enumerate(rows)}, lp, af, saved)
+
+    def _wait_jobs(self, jobs) -> float:
+        """Wait for fill-thread jobs (None entries skipped); their fill seconds, summed. The
+        thread runs jobs in order, so a row's newest job finishes last."""
+        seconds = 0.0
+        for job in dict.fromkeys(j for j in jobs if j is not None):
+            spent, fills = job.result()
+            seconds += spent
+            self.stats["mask_fills"] += fills
+            if self.metrics is not None and fills:
+                self.metrics.mask_fills.inc(fills)
+        return seconds
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[Run]):
         """Log-probabilities of the rows that asked: of `logits` as masked (temperature 1),
@@ -420,7 +534,8 @@ class Engine:
 
     def _commit(self, inflight: _InFlight, t: dict[str, float]) -> None:
         """The host side of a sampled step: check divergence, accept each token into the
-        rank's own matcher, finish rows, start the masks of the rows that go on."""
+        rank's own matcher (a refused accept-first token is resampled), finish rows, start
+        the fill-thread jobs of the rows that go on."""
         t0 = time.perf_counter()
         if inflight.done is not None:
             inflight.done.synchronize()
@@ -437,38 +552,120 @@ class Engine:
             if diverged and self.metrics is not None:
                 self.metrics.tp_divergence.inc()
         lp = _logprob_rows(inflight)
+        refused = []
         for j, r in enumerate(rows):
-            if self.runs.get(r.slot) is r:  # not released while its token was in flight
-                self._advance(r, picked[j], j in diverged, lp.get(j))
-        # Start the next step's fills now, while its forward runs.
-        ahead = [r for r in rows if r.req.matcher is not None and self.runs.get(r.slot) is r]
+            if self.runs.get(r.slot) is not r:  # released while its token was in flight
+                continue
+            if not self._advance(r, picked[j], j in diverged, lp.get(j),
+                                 j in inflight.accept_first):
+                refused.append(j)
+        if refused:
+            self._resample(inflight, refused)
+        # Start the next step's jobs now, while its forward runs.
+        redo = set(refused)
+        ahead = [r for j, r in enumerate(rows) if r.req.matcher is not None
+                 and self.runs.get(r.slot) is r and j not in redo]
         if ahead:
-            self._submit_fill(ahead)
+            self._submit(ahead)
         t["commit"] = time.perf_counter() - t0
 
-    def _submit_fill(self, runs: list[Run]) -> None:
-        """Fill the bitmask rows (by slot) of `runs` from their matchers on the fill thread.
+    def _resample(self, inflight: _InFlight, refused: list[int]) -> None:
+        """Sample the refused accept-first rows again from their saved logits, masked this
+        time, with the same noise (same seed and token index): the token mask-first sampling
+        would have given. The tokens join the next copy to the host; the input each row had
+        in the forward already launched is rewritten at its next feed."""
+        rows = [inflight.rows[j] for j in refused]
+        self.stats["resamples"] += len(rows)
+        if self.metrics is not None:
+            self.metrics.accept_first_refused.inc(len(rows))
+        top = self.cfg.accept_first_max_backoff
+        for r in rows:
+            r.af_backoff = min(2 * r.af_backoff + 1, top)
+            r.af_skip = r.af_backoff
+            self._af_level = min(2 * self._af_level + 1, top)
+        self._submit(rows, need_mask=True, forced=False)
+        self._wait_jobs([rows[0].job])
+        logits = inflight.saved.index_select(
+            0, torch.tensor([inflight.accept_first[j] for j in refused],
+                            device=inflight.saved.device))              # (n, V)
+        # Staging set 1: set 0's copies for this step's own rows may still be queued.
+        self.masks.apply(logits, list(range(len(rows))), [r.slot for r in rows], stage=1)
+        tokens, dead = sample(logits, self._sampling_batch(rows))
+        for r in rows:
+            r.job = r.prep = None
+            r.pending = 1  # the resampled token, on the device: the row samples nothing now
+            if r.fed > len(r.generated):
+                r.fed -= 1
+        self._redo = (rows, torch.where(dead, -1, tokens))
 
-        A released slot's pending fill may still write its row; its next tenant's fill is
+    def _submit(self, runs: list[Run], need_mask: bool | None = None, forced: bool = True) -> None:
+        """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill the
+        bitmask rows of those that sample mask-first next (all of them with `need_mask`) and
+        follow forced tokens (unless `forced` is False or the engine does not).
+
+        A released slot's pending job may still write its row; its next tenant's job is
         submitted later and so runs later, and is waited for before that row is used."""
-        future = self._fill_pool.submit(self.masks.fill, [r.req.matcher for r in runs],
-                                        [r.slot for r in runs])
+        scan = self.scan if forced else None
+        jobs = []
         for r in runs:
-            r.mask_fill = future
+            budget = min(r.req.max_tokens - r.known,
+                         self.cfg.max_model_len - r.prefilled - r.known)
+            mask = need_mask if need_mask is not None else not self._accept_first(r)
+            jobs.append(RowJob(r.req.matcher, r.slot, mask, max(0, budget), r.stops))
+        if scan is None and not any(j.need_mask for j in jobs):
+            return
+        future = self._fill_pool.submit(prepare, self.masks, scan, jobs)
+        for r, job in zip(runs, jobs, strict=True):
+            r.job, r.prep = future, job
 
-    def _advance(self, r: Run, token: int, diverged: bool, logprob=None) -> None:
+    def _advance(self, r: Run, token: int, diverged: bool, logprob=None,
+                 accept_first: bool = False) -> bool:
         """Take row r's sampled token (-1: the row had no allowed token) and, when the
-        request asked, its (logprob, top ids, top logprobs)."""
+        request asked, its (logprob, top ids, top logprobs). False only for an accept-first
+        token the grammar refused (the row is then resampled)."""
         req = r.req
         if diverged:
             log.error("TP divergence on slot %d (request %s)", r.slot, req.request_id)
-            return self._finish(r, DIVERGENCE, "ranks sampled different tokens")
+            self._finish(r, DIVERGENCE, "ranks sampled different tokens")
+            return True
         if token < 0:
             if self.metrics is not None:
                 self.metrics.grammar_dead_ends.inc()
-            return self._finish(r, DEAD_END, "the grammar allows no token here and is not complete")
+            self._finish(r, DEAD_END, "the grammar allows no token here and is not complete")
+            return True
         if req.matcher is not None and not req.matcher.accept_token(token):
-            return self._finish(r, INTERNAL, f"the grammar rejected sampled token {token}")
+            if accept_first:
+                return False
+            self._finish(r, INTERNAL, f"the grammar rejected sampled token {token}")
+            return True
+        if accept_first:
+            r.af_backoff //= 2
+            self._af_level //= 2
+        self._take(r, token, logprob)
+        return True
+
+    def _take_chain(self, r: Run) -> None:
+        """Emit the forced tokens its job accepted into r's matcher (log-probability 0: the
+        only token the masked distribution allows)."""
+        chain, r.prep.chain = r.prep.chain, []
+        self.stats["forced_tokens"] += len(chain)
+        self.stats["chains"] += 1
+        if self.metrics is not None:
+            self.metrics.forced_tokens.inc(len(chain))
+            self.metrics.forced_chains.inc()
+        top = r.req.top_logprobs > 0
+        for n, token in enumerate(chain, 1):
+            if self.runs.get(r.slot) is not r:
+                break
+            # The matcher is already past the whole chain: only the last token is checked
+            # against it (a chain stops where the grammar could be complete).
+            self._take(r, token, (0.0, [token] if top else [], [0.0] if top else [])
+                       if r.req.logprobs else None, grammar_ends=n == len(chain))
+
+    def _take(self, r: Run, token: int, logprob=None, grammar_ends: bool = True) -> None:
+        """Append an accepted token to r's output; finish r where it ends (by its grammar
+        too, unless `grammar_ends` is False)."""
+        req = r.req
         r.generated.append(token)
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
@@ -482,22 +679,24 @@ class Engine:
             out.tokens.append(token)
             if logprob is not None:
                 out.logprobs.append(logprob)
-        if req.matcher is not None and (req.matcher.is_terminated() or self._can_only_end(req)):
+        if req.matcher is not None and grammar_ends and (
+                req.matcher.is_terminated() or self._can_only_end(r)):
             return self._finish(r, GRAMMAR_COMPLETED)
         if ends:  # a guided row only samples a stop id where its grammar allows one
             return self._finish(r, STOP)
         if self._ends_by_length(r):
             return self._finish(r, LENGTH)
 
-    def _can_only_end(self, req: Request) -> bool:
+    def _can_only_end(self, r: Run) -> bool:
         """The grammar is complete and allows no token but a stop token: the output is done,
         and sampling once more could only pick the end. Checked only once complete."""
+        req = r.req
         if not req.matcher.is_completed():
             return False
         row = self._end_row
         req.matcher.fill_next_token_bitmask(row, 0)
         bits = row[0].tolist()
-        for tok in self.eos | req.stop_token_ids | frozenset(req.matcher.stop_token_ids):
+        for tok in r.stops:
             if tok < self.vocab_size:
                 bits[tok >> 5] &= ~(1 << (tok & 31))
         full, rest = divmod(self.vocab_size, 32)
@@ -581,7 +780,9 @@ class Engine:
         prompt_tokens = sum(len(s.tokens) for s in seqs if s.prefill)
         if prompt_tokens:
             m.tokens.labels(kind="prompt").inc(prompt_tokens)
+        m.row_forwards.inc(sum(1 for s in seqs if not s.prefill))
         if t.get("mask_fill"):
             m.mask_fill_seconds.observe(t["mask_fill"])
             m.mask_fill_exposed_seconds.observe(t["mask_fill_exposed"])
+        if "mask_apply" in t:
             m.mask_apply_seconds.observe(t["mask_apply"])

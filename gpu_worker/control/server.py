@@ -366,10 +366,12 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
                          step_tokens=cfg.step_tokens,
                          divergence_check_every=cfg.divergence_check_every,
                          cuda_graph_max_tokens=cfg.cuda_graph_max_tokens,
-                         mask_fill_threads=cfg.mask_fill_threads),
+                         mask_fill_threads=cfg.mask_fill_threads,
+                         forced_tokens=cfg.forced_tokens, accept_first=cfg.accept_first),
         model, table, ControlChannel(control_group, cfg.tp),
         vocab_size=vocab.vocab_size, model_vocab_size=model.config.vocab_size,
-        eos_token_ids=vocab.eos_token_ids, device=device, metrics=metrics)
+        eos_token_ids=vocab.eos_token_ids, device=device, metrics=metrics,
+        token_bytes=map(vocab.token_bytes, range(vocab.vocab_size)))
     # Admissions run off the session reader (a grammar fetch can take seconds); the pool is
     # sized for concurrent fetches, not for the slot count.
     rank = Rank(cfg, model_dir, vocab, device, dtype, table, grammars, engine, metrics,

@@ -42,14 +42,10 @@ class MaskFiller:
         self.device = device
         pin = device.type == "cuda"
         self.host = torch.full((rows, self.width), -1, dtype=torch.int32, pin_memory=pin)
-        # The guided rows of a step, gathered on the host so only they cross to the device.
-        self.stage = self.host if device.type == "cpu" else torch.empty_like(self.host, pin_memory=True)
-        self.dev = self.host if device.type == "cpu" else torch.empty_like(self.host, device=device)
-        # Guided (logits row, slot) indices, staged in pinned memory so that their copy does
-        # not block the host.
-        self.rows_host = torch.zeros((2, rows), dtype=torch.int64, pin_memory=pin)
-        self.rows_dev = self.rows_host if device.type == "cpu" else \
-            torch.empty_like(self.rows_host, device=device)
+        # Two independent staging sets, so a step can apply masks twice (a resample of
+        # refused accept-first rows at the commit, then the step's own rows) while the first
+        # set's copies are still queued on the device.
+        self._stages = [_Stage(self.host, rows, device) for _ in range(2)]
         self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads)
         self._llg = llguidance.LLExecutor(None if fill_threads == "auto" else int(fill_threads))
 
@@ -80,20 +76,34 @@ class MaskFiller:
             matcher.fill_next_token_bitmask(self.host, slot)
         return time.perf_counter() - t0
 
-    def apply(self, logits: torch.Tensor, positions: list[int], slots: list[int]) -> None:
-        """Mask logits rows `positions` (of (R, V)) in place with slot rows `slots`."""
+    def apply(self, logits: torch.Tensor, positions: list[int], slots: list[int],
+              stage: int = 0) -> None:
+        """Mask logits rows `positions` (of (R, V)) in place with slot rows `slots`, through
+        staging set `stage` (0 or 1). A set is free again once the device work queued after
+        its previous use has run (the engine syncs on each step's sampled ids)."""
         k = len(positions)
-        # The previous step ended with a device sync (sampled ids to the host), so the staging
-        # buffers are free to overwrite.
-        self.rows_host[:, :k] = torch.tensor([positions, slots], dtype=torch.int64)
-        if self.dev is self.host:
-            rows, guided = self.rows_host[0, :k], self.host.index_select(0, self.rows_host[1, :k])
+        st = self._stages[stage]
+        st.rows_host[:, :k] = torch.tensor([positions, slots], dtype=torch.int64)
+        if st.dev is self.host:
+            rows, guided = st.rows_host[0, :k], self.host.index_select(0, st.rows_host[1, :k])
         else:
-            torch.index_select(self.host, 0, self.rows_host[1, :k], out=self.stage[:k])
-            self.dev[:k].copy_(self.stage[:k], non_blocking=True)  # (k, words)
-            self.rows_dev[0, :k].copy_(self.rows_host[0, :k], non_blocking=True)
-            rows, guided = self.rows_dev[0, :k], self.dev[:k]
+            torch.index_select(self.host, 0, st.rows_host[1, :k], out=st.stage[:k])
+            st.dev[:k].copy_(st.stage[:k], non_blocking=True)  # (k, words)
+            st.rows_dev[0, :k].copy_(st.rows_host[0, :k], non_blocking=True)
+            rows, guided = st.rows_dev[0, :k], st.dev[:k]
         # Bitmask row i must sit at logits row positions[i]: scatter the guided rows there.
         mask = guided.new_empty((logits.shape[0], self.width))
         mask.index_copy_(0, rows, guided)
         apply_token_bitmask_(logits, mask, rows, vocab_size=self.vocab_size)
+
+
+class _Stage:
+    """Pinned host staging and device buffers for one `apply`: the gathered guided rows and
+    their (logits row, slot) indices. On CPU the host buffer serves directly."""
+
+    def __init__(self, host: torch.Tensor, rows: int, device: torch.device):
+        cpu = device.type == "cpu"
+        self.stage = host if cpu else torch.empty_like(host, pin_memory=True)
+        self.dev = host if cpu else torch.empty_like(host, device=device)
+        self.rows_host = torch.zeros((2, rows), dtype=torch.int64, pin_memory=not cpu)
+        self.rows_dev = self.rows_host if cpu else torch.empty_like(self.rows_host, device=device)

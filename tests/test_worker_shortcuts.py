@@ -1,0 +1,194 @@
+"""Forced tokens and accept-first masking change how much work a step does, never a token.
+
+One engine per configuration (both off, each alone, both on), in process, with 48 slots: the
+same requests (JSON schemas, a regex, a choice list, EBNF, a forced literal; xgrammar and
+llguidance rows; greedy, seeded temperature and top-p sampling; unguided neighbours) give
+bit-identical tokens, finishes and logprobs in every configuration, and the counters show that
+each mechanism did run. Real model, real backends, the real Triton kernel under the
+interpreter. The same comparison over real worker processes at TP=2 is in
+tests/test_worker_tp.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+from constraints import SCHEMAS, is_valid
+from engine_harness import EngineHarness
+
+from gpu_worker.control.engine import GRAMMAR_COMPLETED, LENGTH, Request
+from grammar_service.backends import LLGUIDANCE, VocabView
+from grammar_service.default_model import ensure_default_model
+from grammar_service.specs import parse_spec
+from protos import common_pb2
+
+CONFIGS = {"off": (False, False), "forced": (True, False), "accept_first": (False, True),
+           "both": (True, True)}
+EBNF = 'root ::= "[" item ("," item)* "]"\nitem ::= [a-c] | "null"'
+EBNF_AS_REGEX = r"\[(?:[a-c]|null)(?:,(?:[a-c]|null))*\]"
+# Characters whose pairs are no tokens of the default model's vocabulary, so that after the
+# first one the grammar allows one token at a time: a chain of forced tokens.
+FORCED_REGEX = r"[a-z]{2}~\^~\^~\^~\^~\^~\^"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ensure_default_model(tmp_path_factory.mktemp("models"))
+
+
+def grammars(vocab):
+    """(name, kind, arg, make matcher) for every constraint of the test."""
+    compiler = xgr.GrammarCompiler(vocab.tokenizer_info(), max_threads=1)
+    out = []
+    for i, schema in enumerate(SCHEMAS):
+        g = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        out.append((f"schema{i}", "json_schema", schema, g))
+    out.append(("regex", "regex", r"[a-z]{3}-[0-9]{2}", compiler.compile_regex(r"[a-z]{3}-[0-9]{2}")))
+    out.append(("choice", "choice", ["alpha", "beta", "gamma delta"],
+                compiler.compile_grammar('root ::= "alpha" | "beta" | "gamma delta"')))
+    out.append(("ebnf", "ebnf", EBNF, compiler.compile_grammar(EBNF)))
+    out.append(("forced", "regex", FORCED_REGEX, compiler.compile_regex(FORCED_REGEX)))
+    llg = VocabView.of(vocab).backends()[LLGUIDANCE]
+    opts = common_pb2.GrammarOptions(backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE,
+                                     whitespace=common_pb2.WHITESPACE_COMPACT)
+    spec = common_pb2.GrammarSpec(json_schema=json.dumps(SCHEMAS[0]), options=opts)
+    out.append(("llg-schema0", "json_schema", SCHEMAS[0], llg.compile(parse_spec(spec))))
+    spec = common_pb2.GrammarSpec(regex=FORCED_REGEX, options=common_pb2.GrammarOptions(
+        backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE))
+    out.append(("llg-forced", "regex", FORCED_REGEX, llg.compile(parse_spec(spec))))
+    return out, llg
+
+
+SAMPLINGS = {  # name -> Request fields
+    "greedy": {"temperature": 0.0},
+    "t1": {"temperature": 1.0, "seed": 11},
+    "t07": {"temperature": 0.7, "seed": 12},
+    "topp": {"temperature": 1.0, "top_p": 0.8, "seed": 13},
+    "logprobs": {"temperature": 1.0, "seed": 14, "logprobs": True, "top_logprobs": 3},
+}
+
+
+def requests(vocab, constraints, llg) -> list[Request]:
+    reqs = []
+    for name, _, _, compiled in constraints:
+        for sname, fields in SAMPLINGS.items():
+            req = Request(request_id=f"{name}/{sname}", prompt=vocab.encode(f"{name} please"),
+                          max_tokens=40, **fields)
+            req.matcher = (llg.new_matcher(compiled) if name.startswith("llg")
+                           else xgr.GrammarMatcher(compiled))
+            reqs.append(req)
+    for seed in range(4):
+        reqs.append(Request(request_id=f"free/{seed}", prompt=vocab.encode("free text"),
+                            max_tokens=24, temperature=1.0, seed=seed))
+    # A forced chain cut by max_tokens: it must end exactly there.
+    for n in (4, 7):
+        req = Request(request_id=f"cut/{n}", prompt=vocab.encode("forced please"), max_tokens=n,
+                      temperature=0.0)
+        req.matcher = xgr.GrammarMatcher(constraints[-3][3])
+        reqs.append(req)
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def results(model_dir):
+    out = {}
+    for config, (forced, accept_first) in CONFIGS.items():
+        harness = EngineHarness(model_dir, slots=48, max_model_len=128, step_tokens=256,
+                                forced_tokens=forced, accept_first=accept_first)
+        constraints, llg = grammars(harness.vocab)
+        reqs = requests(harness.vocab, constraints, llg)
+        assert len(reqs) >= 48
+        out[config] = (harness.run(reqs), dict(harness.engine.stats), harness, constraints)
+    return out
+
+
+def test_every_configuration_gives_the_tokens_of_mask_first_sampling(results):
+    base, _, harness, constraints = results["off"]
+    kinds = {name: (kind, arg) for name, kind, arg, _ in constraints}
+    for rid, outcome in base.items():
+        name = rid.split("/")[0]
+        if name in kinds and not rid.startswith("cut/"):
+            kind, arg = kinds[name]
+            if kind == "ebnf":
+                kind, arg = "regex", EBNF_AS_REGEX
+            assert outcome.reason == GRAMMAR_COMPLETED, (rid, outcome.reason, outcome.message)
+            assert is_valid(kind, arg, harness.vocab.decode(outcome.tokens)), rid
+    for config in ("forced", "accept_first", "both"):
+        outs = results[config][0]
+        assert outs.keys() == base.keys()
+        for rid, outcome in base.items():
+            got = outs[rid]
+            assert (got.tokens, got.reason) == (outcome.tokens, outcome.reason), (config, rid)
+            # Rows skip steps (a forced chain is fed as one chunk; a refused row loses a step),
+            # so a row's logits come from other batch shapes: equal up to the reduction order
+            # of floating-point sums, as with prefill chunks.
+            assert len(got.logprobs) == len(outcome.logprobs), (config, rid)
+            for a, b in zip(got.logprobs, outcome.logprobs, strict=True):
+                assert a[1] == b[1] and a[0] == pytest.approx(b[0], abs=1e-4), (config, rid)
+                assert a[2] == pytest.approx(b[2], abs=1e-4), (config, rid)
+
+
+def test_each_mechanism_runs_only_where_it_is_on(results):
+    off, forced, accept_first, both = (results[c][1] for c in CONFIGS)
+    assert off.get("forced_tokens", 0) == 0 and off.get("accept_first", 0) == 0
+    assert forced["forced_tokens"] > 0 and forced.get("accept_first", 0) == 0
+    assert accept_first["accept_first"] > 0 and accept_first.get("forced_tokens", 0) == 0
+    assert both["forced_tokens"] > 0 and both["accept_first"] > 0
+    # Forced chains are fed as chunks: fewer rows forwarded for the same tokens.
+    assert forced["row_forwards"] < off["row_forwards"]
+
+
+def test_accept_first_backs_off_when_the_model_ignores_the_grammar(results):
+    """The test model's weights are random: nearly every unmasked token is refused. A refusal
+    costs its row one step, so the engine's backoff level rises and rows admitted later
+    sample mask-first: the second wave tries accept-first far less than once per request."""
+    outs, stats, harness, constraints = results["accept_first"]
+    assert stats["resamples"] >= stats["accept_first"] * 0.8  # the model ignores the grammar
+    _, llg = grammars(harness.vocab)
+    wave = [r for r in requests(harness.vocab, constraints, llg) if r.matcher is not None]
+    before = dict(harness.engine.stats)
+    again = harness.run(wave)
+    tried = harness.engine.stats["accept_first"] - before["accept_first"]
+    assert tried <= len(wave) // 4, (tried, len(wave))
+    assert all(again[r.request_id].tokens == outs[r.request_id].tokens for r in wave)
+
+
+def test_top_p_and_logprobs_rows_never_sample_accept_first(model_dir):
+    harness = EngineHarness(model_dir, slots=8, forced_tokens=False, accept_first=True)
+    constraints, _ = grammars(harness.vocab)
+    reqs = []
+    for name, _, _, compiled in constraints[:4]:
+        for sname in ("topp", "logprobs"):
+            req = Request(request_id=f"{name}/{sname}", prompt=harness.vocab.encode(name),
+                          max_tokens=30, **SAMPLINGS[sname])
+            req.matcher = xgr.GrammarMatcher(compiled)
+            reqs.append(req)
+    outs = harness.run(reqs)
+    assert all(o.reason == GRAMMAR_COMPLETED for o in outs.values())
+    assert harness.engine.stats.get("accept_first", 0) == 0
+
+
+def test_forced_chain_cut_by_max_tokens_ends_exactly_there(results):
+    base = results["off"][0]
+    for config in ("forced", "both"):
+        outs = results[config][0]
+        for n in (4, 7):
+            got = outs[f"cut/{n}"]
+            assert got.reason == LENGTH and len(got.tokens) == n, (config, n, got)
+            assert got.tokens == base[f"cut/{n}"].tokens
+    # The literal's chain is long enough to cross both cuts.
+    full = results["both"][0]["forced/greedy"]
+    assert len(full.tokens) > 7
+
+
+def test_forced_tokens_have_logprob_zero_and_are_the_only_alternative(results):
+    outs = results["both"][0]
+    for rid in ("forced/logprobs", "llg-forced/logprobs"):
+        lps = outs[rid].logprobs
+        assert lps and len(lps) == len(outs[rid].tokens)
+        forced = [(tok, lp) for tok, lp in zip(outs[rid].tokens, lps, strict=True)
+                  if lp[0] == 0.0 and lp[1] == [tok]]
+        assert len(forced) >= 6, rid
+
