@@ -233,6 +233,10 @@ def scrape(url: str) -> dict[str, float]:
                          r'_(?:sum|count))(?:\{phase="(\w+)"\})? (\S+)$', text, re.M):
         key = m.group(1) + (f":{m.group(2)}" if m.group(2) else "")
         out[key] = float(m.group(3))
+    for m in re.finditer(r'^gramserve_worker_(tokens_total\{kind="generated"\}|forced_tokens_total|'
+                         r'mask_fills_total|accept_first_total|resamples_total|'
+                         r'decode_row_forwards_total) (\S+)$', text, re.M):
+        out["counter:" + m.group(1).split("{")[0].removesuffix("_total")] = float(m.group(2))
     return out
 
 
@@ -240,6 +244,13 @@ def metrics_delta(before: dict, after: dict) -> dict[str, float]:
     """Mean step ms by phase, mean batch and mean mask ms over the run between two scrapes."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     out = {}
+    generated = d.get("counter:tokens", 0.0)
+    if generated > 0:  # per output token: forced ones, masks filled, rows forwarded
+        for name, key in (("forced_share", "forced_tokens"), ("fills_per_token", "mask_fills"),
+                          ("steps_per_token", "decode_row_forwards"),
+                          ("accept_first_per_token", "accept_first"),
+                          ("resamples_per_token", "resamples")):
+            out[name] = round(d.get(f"counter:{key}", 0.0) / generated, 4)
     for key, n in d.items():
         if not key.startswith("gramserve_worker_") or "_count" not in key or n <= 0:
             continue
@@ -264,6 +275,8 @@ def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, dura
            "--max-tokens", str(ns.max_tokens), "--timeout", str(ns.request_timeout),
            "--backend", ns.backend,
            "--warmup", str(warmup), "--seed", str(int(ratio * 100) + concurrency)]
+    if ns.train_steps:
+        cmd.append("--schema-prompts")
     cmd += ["--duration", str(duration)] if duration else ["--requests", str(requests)]
     budget = (duration or 0) + ns.request_timeout * (2 + warmup + requests / concurrency) + 120
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget, cwd=ROOT,
@@ -274,14 +287,20 @@ def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, dura
     return json.loads(lines[-1])
 
 
-def run_matrix(addr: str, stack: Stack, ns, say_line) -> list[dict]:
-    """Every (concurrency, family, ratio) run; returns one row dict each."""
+def matrix_plan(ns) -> list[tuple[int, str, float]]:
+    """(concurrency, family, ratio) of every run: unguided, then each family and ratio."""
+    return [(c, family, ratio) for c in ns.concurrency
+            for family, ratio in [("-", 0.0)] + [(f, r) for f in ns.families
+                                                 for r in ns.ratios if r > 0]]
+
+
+def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str) -> list[dict]:
+    """Every (concurrency, family, ratio) run of `plan`; returns one row dict each."""
     worker_url = next((u for k, u in stack.metrics.items() if "rank 0" in k), None)
     pids = roles(stack.proc.pid)
     rows = []
-    for c in ns.concurrency:
-        plan = [("-", 0.0)] + [(f, r) for f in ns.families for r in ns.ratios if r > 0]
-        for family, ratio in plan:
+    for c, family, ratio in plan:
+        if True:
             before = scrape(worker_url) if worker_url else {}
             cpu0 = cpu_seconds(pids)
             t0 = time.monotonic()
@@ -301,10 +320,11 @@ def run_matrix(addr: str, stack: Stack, ns, say_line) -> list[dict]:
             cores = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 2) for k in cpu1}
             gw = [v for k, v in cores.items() if k.startswith("gateway")]
             cores.update(gateways_sum=round(sum(gw), 2), gateways_max=max(gw, default=0.0))
-            row = {"concurrency": c, "family": family, "ratio": ratio, **summary,
+            row = {"concurrency": c, "family": family, "ratio": ratio, "shortcuts": shortcuts,
+                   **summary,
                    "worker": metrics_delta(before, after), "wall_s": wall, "cpu_cores": cores}
             rows.append(row)
-            say_line(f"run c={c} family={family} ratio={ratio}: "
+            say_line(f"run shortcuts={shortcuts} c={c} family={family} ratio={ratio}: "
                      f"{summary['output_tokens_per_second']:.0f} tok/s, "
                      f"{summary['ok']}/{summary['requests']} ok, errors {summary['errors']}, "
                      f"finish {summary['finish_reasons']}, "
@@ -485,47 +505,55 @@ def _ms(d: dict, p: str) -> str:
 
 def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
     """One markdown table: service rows, then the engine-alone and HF rows."""
-    head = ("| concurrency | family | guided | output tok/s | req/s | TTFT p50 / p99 ms | "
-            "inter-token p50 / p99 ms | tok/delta | errors | schema-valid | service eff. | "
-            "guided ÷ unguided | ÷ HF | CPU cores gateways Σ / max / rank 0 |")
+    head = ("| concurrency | family | guided | shortcuts | output tok/s | req/s | "
+            "TTFT p50 / p99 ms | inter-token p50 / p99 ms | tok/delta | errors | schema-valid | "
+            "service eff. | guided ÷ unguided | ÷ HF | forced share | mask fills / out tok | "
+            "steps / out tok | CPU cores gateways Σ / max / rank 0 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    plain = {r["concurrency"]: r["output_tokens_per_second"] for r in rows if r["ratio"] == 0}
+    # guided ÷ unguided against the unguided run of the same shortcuts setting
+    plain = {(r["concurrency"], r.get("shortcuts")): r["output_tokens_per_second"]
+             for r in rows if r["ratio"] == 0}
     hf_plain = hf.get("hf_unconstrained", {}).get("tokens_per_s")
     for r in rows:
         tps = r["output_tokens_per_second"]
         engine = alone.get(f"decode_b{r['concurrency']}", {}).get("tokens_per_s")
         eff = f"{tps / engine:.2f}" if engine else "–"
-        ratio_g = (f"{tps / plain[r['concurrency']]:.2f}" if r["ratio"] > 0
-                   and plain.get(r["concurrency"]) else "–")
+        base = plain.get((r["concurrency"], r.get("shortcuts")))
+        ratio_g = f"{tps / base:.2f}" if r["ratio"] > 0 and base else "–"
+        w = r.get("worker", {})
+        shares = " | ".join(f"{w[k]:.3f}" if k in w else "–" for k in
+                            ("forced_share", "fills_per_token", "steps_per_token"))
         ref = hf_plain if r["ratio"] == 0 else (
             hf.get(f"hf_xgrammar_{r['family']}", {}).get("tokens_per_s")
             if r["ratio"] == 1.0 else None)
         vs_hf = f"{tps / ref:.2f}" if ref else "–"
         valid = r["schema_valid_rate"]
         lines.append(
-            f"| {r['concurrency']} | {r['family']} | {r['ratio']:.0%} | {tps:,.0f} | "
+            f"| {r['concurrency']} | {r['family']} | {r['ratio']:.0%} | "
+            f"{r.get('shortcuts', 'on')} | {tps:,.0f} | "
             f"{r['requests_per_second']:.1f} | {_ms(r['ttft_seconds'], 'p50')} / "
             f"{_ms(r['ttft_seconds'], 'p99')} | {_ms(r['inter_token_seconds'], 'p50')} / "
             f"{_ms(r['inter_token_seconds'], 'p99')} | {r['tokens_per_delta']:.2f} | "
             f"{sum(r['errors'].values())} {r['errors'] or ''} | "
             f"{'–' if valid is None else f'{valid:.3f}'} | {eff} | {ratio_g} | {vs_hf} | "
+            f"{shares} | "
             f"{r['cpu_cores'].get('gateways_sum', '–')} / "
             f"{r['cpu_cores'].get('gateways_max', '–')} / {r['cpu_cores'].get('rank0', '–')} |")
-    blank = " – | – | – | – | – | – | – | – | – | – |"
+    blank = " – | – | – | – | – | – | – | – | – | – | – | – | – |"
     for key, value in alone.items():
         what = (f"engine alone, decode step {value['ms']:.2f} ms" if key.startswith("decode")
                 else f"engine alone, whole step {value['ms']:.2f} ms")
         b = re.search(r"b(\d+)", key).group(1)
         guided = "100%" if key.endswith("_guided") else "0%"
-        lines.append(f"| {b} | {what} | {guided} | {value['tokens_per_s']:,.0f} |{blank}")
+        lines.append(f"| {b} | {what} | {guided} | on | {value['tokens_per_s']:,.0f} |{blank}")
     for key, value in hf.items():
         fam = key.removeprefix("hf_xgrammar_") if "xgrammar" in key else "-"
         what = "HF generate" + (f" + xgrammar ({fam})" if fam != "-" else "")
-        lines.append(f"| {value['batch']} | {what} | {'0%' if fam == '-' else '100%'} | "
+        lines.append(f"| {value['batch']} | {what} | {'0%' if fam == '-' else '100%'} | – | "
                      f"{value['tokens_per_s']:,.0f} |{blank}")
     if client:
         lines.append(f"| {max(r['concurrency'] for r in rows) if rows else '–'} | load generator "
-                     f"alone (fake gateways) | 0% | {client['output_tokens_per_second']:,.0f} |"
+                     f"alone (fake gateways) | 0% | – | {client['output_tokens_per_second']:,.0f} |"
                      f"{blank}")
     return "\n".join(lines)
 
@@ -575,6 +603,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="runs to sample with py-spy, as c:family:ratio[,...] (e.g. 256:-:0)")
     p.add_argument("--profile-gil", action="store_true",
                    help="sample only threads holding the GIL (gateway)")
+    p.add_argument("--shortcuts", default="on,off",
+                   help="worker forced tokens and accept-first: on, off, or on,off (a second "
+                        "stack runs --variant-runs with the other setting)")
+    p.add_argument("--variant-runs", default="64:-:0,64:short:1,64:long:1,256:long:1",
+                   help="c:family:ratio runs of the second --shortcuts setting")
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="fine-tune the checkpoint on the schemas first (bench/train_json.py), "
+                        "at most this many steps; guided prompts then name their schema")
     p.add_argument("--client-check-only", action="store_true",
                    help="only measure the load generator against fake gateways; exit")
     ns = p.parse_args(argv)
@@ -587,6 +623,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ns.ratios = [float(r) for r in ns.ratios.split(",")]
     ns.families = ns.families.split(",")
     ns.profile = set(filter(None, ns.profile.split(",")))
+    ns.shortcuts = ns.shortcuts.split(",")
+    if not ns.shortcuts or not set(ns.shortcuts) <= {"on", "off"}:
+        raise SystemExit("--shortcuts must be on, off, on,off or off,on")
+    ns.variant_runs = [(int(c), f, float(r)) for c, f, r in
+                       (item.split(":") for item in ns.variant_runs.split(",") if item)]
     if ns.tokenizer is None and ns.train_tokenizer:
         ns.tokenizer = ROOT / ".bench" / "tok150k.json"
     return ns
@@ -654,16 +695,22 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
     vocab = load_vocab(model_dir)  # what the stack will load: fails here, not in a child
     say_line(f"vocabulary {vocab.vocab_size} tokens, model vocabulary {vocab.model_vocab_size}, "
              f"eos {vocab.eos_token_ids}, tokenizer {tokenizer}")
+    trained = {}
+    if ns.train_steps:
+        from bench.train_json import train
+
+        trained = train(model_dir, ns.families, steps=ns.train_steps, log=say_line)
+        say_line(f"fine-tuned on the schemas: {trained}")
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                GRAMSERVE_CUDA_GRAPH_MAX_BATCH=str(ns.slots))
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
-    stack = Stack(["--device", ns.device, "--tp", "1", "--slots", str(ns.slots),
-                   "--gateways", str(ns.gateways),
-                   "--model", str(model_dir), "--port", "0", "--metrics-port", "0",
-                   "--max-model-len", str(ns.max_model_len),
-                   "--max-queue", str(max(64, 2 * max(ns.concurrency))),
-                   "--startup-timeout", str(ns.startup_timeout)], env, out / "stack.log")
+    args = ["--device", ns.device, "--tp", "1", "--slots", str(ns.slots),
+            "--gateways", str(ns.gateways),
+            "--model", str(model_dir), "--port", "0", "--metrics-port", "0",
+            "--max-model-len", str(ns.max_model_len),
+            "--max-queue", str(max(64, 2 * max(ns.concurrency))),
+            "--startup-timeout", str(ns.startup_timeout)]
     rows, alone, hf, client = [], {}, {}, {}
     if ns.client_servers:
         try:
@@ -674,21 +721,27 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
                      f"errors {client['errors']}")
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             say_line(f"client check failed: {exc}")
-    try:
-        say("starting the stack")
-        addr = stack.start(ns.startup_timeout + 30)
-        say_line(f"stack up at {addr}; metrics {stack.metrics}")
-        c = max(ns.concurrency)
-        for family in ns.families:  # compiles every schema, captures the decode graphs
-            warm = run_load(addr, c, family, 0.5, ns, duration=0, requests=c)
-            say_line(f"warm-up c={c} {family}: {warm['ok']}/{warm['requests']} ok, "
-                     f"{warm['output_tokens_per_second']:.0f} tok/s, errors {warm['errors']}")
-        rows = run_matrix(addr, stack, ns, say_line)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        say_line(f"load runs failed: {exc}")
-    finally:
-        say("stopping the stack")
-        stack.stop()
+    for shortcuts in ns.shortcuts:
+        # The worker's --forced-tokens / --accept-first, through their GRAMSERVE_ variables.
+        flag = "1" if shortcuts == "on" else "0"
+        variant_env = dict(env, GRAMSERVE_FORCED_TOKENS=flag, GRAMSERVE_ACCEPT_FIRST=flag)
+        plan = matrix_plan(ns) if shortcuts == ns.shortcuts[0] else ns.variant_runs
+        stack = Stack(args, variant_env, out / f"stack-{shortcuts}.log")
+        try:
+            say(f"starting the stack (forced tokens and accept-first {shortcuts})")
+            addr = stack.start(ns.startup_timeout + 30)
+            say_line(f"stack up at {addr}; metrics {stack.metrics}")
+            c = max(ns.concurrency)
+            for family in ns.families:  # compiles every schema, captures the decode graphs
+                warm = run_load(addr, c, family, 0.5, ns, duration=0, requests=c)
+                say_line(f"warm-up c={c} {family}: {warm['ok']}/{warm['requests']} ok, "
+                         f"{warm['output_tokens_per_second']:.0f} tok/s, errors {warm['errors']}")
+            rows += run_matrix(addr, stack, ns, say_line, plan, shortcuts)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            say_line(f"load runs failed: {exc}")
+        finally:
+            say("stopping the stack")
+            stack.stop()
     try:
         engine_alone(model_dir, ns, device, dtype, alone)
     except Exception as exc:  # keep the service rows and what was measured
@@ -699,16 +752,23 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
         except Exception as exc:
             say_line(f"HF generate failed: {type(exc).__name__}: {exc}")
     text = table(rows, alone, hf, client)
+    if trained:
+        text += (f"\n\nModel fine-tuned on the schemas (bench/train_json.py): {trained['steps']} "
+                 f"steps in {trained['seconds']:.0f} s; greedy answers without a grammar "
+                 f"schema-valid {trained['valid_before']:.2f} before, "
+                 f"{trained.get('valid', 0):.2f} after.")
     env_line = (f"# device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
                 f" torch={torch.__version__} shape={'tiny' if ns.tiny else 'qwen2.5-0.5b'} "
                 f"dtype={dtype} slots={ns.slots} max_model_len={ns.max_model_len} "
                 f"max_tokens={ns.max_tokens} duration={ns.duration}s per run "
+                f"weights={'fine-tuned' if ns.train_steps else 'random'} "
                 f"tokenizer={vocab.vocab_size} tokens")
     print(env_line + "\n" + text, flush=True)
     (out / "serve.txt").write_text(env_line + "\n" + text + "\n\n" + "\n".join(raw) + "\n")
     (out / "serve.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(ns).items()}, "runs": rows,
-         "engine_alone": alone, "hf": hf, "client_check": client}, indent=1))
+         "engine_alone": alone, "hf": hf, "client_check": client, "trained": trained},
+        indent=1))
     say(f"wrote {out / 'serve.txt'} and {out / 'serve.json'}")
     return 0 if rows and all(not r["errors"] for r in rows) else 1
 

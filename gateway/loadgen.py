@@ -14,6 +14,7 @@ generator seeded with (--seed, i).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import asyncio
 import itertools
 import json
@@ -93,11 +94,20 @@ def bench_parser(p: argparse.ArgumentParser) -> None:
                    choices=[k.removeprefix("GRAMMAR_BACKEND_").lower()
                             for k in common_pb2.GrammarBackend.keys()],
                    help="grammar backend of the guided requests (GrammarOptions.backend)")
+    p.add_argument("--schema-prompts", action="store_true",
+                   help="guided requests name their schema in the prompt (schema_prompt), as a "
+                        "model fine-tuned on the schemas expects (bench/train_json.py)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def schema_prompt(schema: str) -> str:
+    """The prompt of a guided request under --schema-prompts: it names the schema (compact
+    JSON text) by a short digest."""
+    return f"Answer with record {hashlib.sha1(schema.encode()).hexdigest()[:6]}:"
 
 
 def load_schemas(family: str, files: list[str] | None = None) -> list[str]:
@@ -126,6 +136,8 @@ def make_request(i: int, ns, schemas: list[str]) -> tuple[gateway_pb2.GenerateRe
                                            temperature=ns.temperature, seed=i % (1 << 64)))
     if guided:
         req.constraint.json_schema = rng.choice(schemas)
+        if getattr(ns, "schema_prompts", False):
+            req.prompt = schema_prompt(req.constraint.json_schema)
         req.constraint.options.whitespace = common_pb2.WHITESPACE_COMPACT
         req.constraint.options.backend = common_pb2.GrammarBackend.Value(
             f"GRAMMAR_BACKEND_{ns.backend.upper()}")

@@ -142,8 +142,8 @@ def test_each_mechanism_runs_only_where_it_is_on(results):
 
 def test_accept_first_backs_off_when_the_model_ignores_the_grammar(results):
     """The test model's weights are random: nearly every unmasked token is refused. A refusal
-    costs its row one step, so the engine's backoff level rises and rows admitted later
-    sample mask-first: the second wave tries accept-first far less than once per request."""
+    costs its row one step, so the engine's backoff level rises and later guided tokens are
+    sampled mask-first, but for a few tries spread over the rows."""
     outs, stats, harness, constraints = results["accept_first"]
     assert stats["resamples"] >= stats["accept_first"] * 0.8  # the model ignores the grammar
     _, llg = grammars(harness.vocab)
@@ -151,7 +151,8 @@ def test_accept_first_backs_off_when_the_model_ignores_the_grammar(results):
     before = dict(harness.engine.stats)
     again = harness.run(wave)
     tried = harness.engine.stats["accept_first"] - before["accept_first"]
-    assert tried <= len(wave) // 4, (tried, len(wave))
+    tokens = sum(len(again[r.request_id].tokens) for r in wave)
+    assert 0 < tried <= tokens / 10, (tried, tokens)
     assert all(again[r.request_id].tokens == outs[r.request_id].tokens for r in wave)
 
 

@@ -24,12 +24,13 @@ Two shortcuts do less work for exactly the same tokens (each can be turned off):
   unmasked and need no mask fill. Their token is checked when it is accepted, at the commit;
   a refused token is resampled there from the step's saved logits with the row's mask (every
   word written, I4) and the same noise, and the row's input of the forward already launched
-  is rewritten at its next feed (that row loses one step). A row backs off to mask-first for
-  1, 3, 7, ... up to `accept_first_max_backoff` samplings after a refusal, and halves its
-  backoff after an acceptance; the engine keeps the same level over all rows, and a new row
-  starts at it. So a model that does not follow the grammar soon samples nearly every guided
-  token mask-first, and costs about what mask-first costs. (Every rank sees the same
-  acceptances in the same order, so every rank makes the same choices.)
+  is rewritten at its next feed (that row loses one step). The engine backs off: with level
+  L, a row tries accept-first on one token in L + 1 (by token index and slot, so the tries
+  spread over rows and never stop); a refusal sets L to 2L + 1 (at most
+  `accept_first_max_backoff`), an acceptance halves it. So a model that does not follow the
+  grammar soon samples nearly every guided token mask-first and costs about what mask-first
+  costs, and one that does keeps L near 0. (Every rank sees the same acceptances in the same
+  order, so every rank makes the same choices.)
 The engine imports neither grpc nor protos: it hands each step's typed outputs (RowOutput,
 Finish) to `publish`, and the server translates them.
 """
@@ -42,7 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,7 +52,7 @@ from gpu_worker.control.slots import Entry, SlotTable
 from gpu_worker.guided.forced import ForcedScan, RowJob, prepare
 from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
-from gpu_worker.sampling.sampler import SamplingBatch, sample
+from gpu_worker.sampling.sampler import SamplingBatch, SamplingFlags, sample
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,6 @@ class Run:
     job: Future | None = None
     prep: RowJob | None = None
     stops: frozenset[int] = frozenset()  # ids that end the output (engine, request, grammar)
-    af_backoff: int = 0  # accept-first: mask-first samplings after the next refusal
-    af_skip: int = 0     # accept-first: mask-first samplings left before trying again
 
     @property
     def slot(self) -> int:
@@ -184,6 +183,8 @@ class _InFlight:
     # (unmasked), kept for a resample at the commit.
     accept_first: dict[int, int] = field(default_factory=dict)
     saved: torch.Tensor | None = None
+    # The sampling batch's flags: a resample takes the same code path (bit for bit, I3).
+    flags: SamplingFlags | None = None
 
 
 def _logprob_rows(inflight: _InFlight) -> dict[int, tuple[float, list[int], list[float]]]:
@@ -257,7 +258,7 @@ class Engine:
                      if cfg.forced_tokens else None)
         self.stats: Counter[str] = Counter()
         self._redo: tuple[list[Run], torch.Tensor] | None = None  # resampled at the commit
-        self._af_level = 0  # the accept-first backoff over all rows; a new row starts at it
+        self._af_level = 0  # accept-first backoff: a row tries on one token in level + 1
         # One bitmask row on the host for the "can the grammar only end here?" check.
         self._end_row = torch.empty((1, self.masks.width), dtype=torch.int32)
         self.graphs = None
@@ -342,8 +343,7 @@ class Engine:
             stops = self.eos | req.stop_token_ids
             if req.matcher is not None:
                 stops |= frozenset(req.matcher.stop_token_ids)
-            self.runs[entry.slot] = Run(entry, req, self.step_index, stops=stops,
-                                        af_backoff=self._af_level, af_skip=self._af_level)
+            self.runs[entry.slot] = Run(entry, req, self.step_index, stops=stops)
         self.step_index += 1
         self._update_gauges()
 
@@ -376,7 +376,8 @@ class Engine:
     def _accept_first(self, r: Run) -> bool:
         """Whether r's next token is sampled unmasked first (see the module docstring)."""
         q = r.req
-        return (self.cfg.accept_first and q.matcher is not None and r.af_skip == 0
+        return (self.cfg.accept_first and q.matcher is not None
+                and (r.known + r.slot) % (self._af_level + 1) == 0
                 and q.top_k == 0 and q.top_p >= 1.0 and q.min_p == 0.0 and not q.logprobs
                 and r.known >= q.min_tokens)
 
@@ -455,7 +456,6 @@ class Engine:
                     af[j] = len(af)
                 else:
                     masked.append(j)
-                    r.af_skip = max(0, r.af_skip - 1)
             stale = [rows[j] for j in masked if rows[j].prep is None or not rows[j].prep.mask_ok]
             if stale:  # not filled for its current state yet (first sampling, a mode change)
                 self._submit(stale, need_mask=True, forced=False)
@@ -474,11 +474,13 @@ class Engine:
                     self.metrics.accept_first_sampled.inc(len(af))
             t_sample = time.perf_counter()
             t["mask_apply"] = t_sample - t_mask
-            tokens, dead = sample(logits, self._sampling_batch(rows))
+            batch = self._sampling_batch(rows)
+            flags = batch.flags
+            tokens, dead = sample(logits, batch)
             parts.append(torch.where(dead, -1, tokens))                 # (R,) a dead row is -1
             lp = self._logprobs(logits, tokens, rows)
         else:
-            saved, t_sample = None, time.perf_counter()
+            saved, flags, t_sample = None, None, time.perf_counter()
         if redo is not None:
             rows = rows + redo[0]
             parts.append(redo[1])
@@ -493,7 +495,7 @@ class Engine:
             r.pending = 1
         t["sample"] = time.perf_counter() - t_sample
         return _InFlight(rows, picked.clamp(min=0), host, done, self.step_index,
-                         {r.slot: j for j, r in enumerate(rows)}, lp, af, saved)
+                         {r.slot: j for j, r in enumerate(rows)}, lp, af, saved, flags)
 
     def _wait_jobs(self, jobs) -> float:
         """Wait for fill-thread jobs (None entries skipped); their fill seconds, summed. The
@@ -578,11 +580,8 @@ class Engine:
         self.stats["resamples"] += len(rows)
         if self.metrics is not None:
             self.metrics.accept_first_refused.inc(len(rows))
-        top = self.cfg.accept_first_max_backoff
-        for r in rows:
-            r.af_backoff = min(2 * r.af_backoff + 1, top)
-            r.af_skip = r.af_backoff
-            self._af_level = min(2 * self._af_level + 1, top)
+        for _ in rows:
+            self._af_level = min(2 * self._af_level + 1, self.cfg.accept_first_max_backoff)
         self._submit(rows, need_mask=True, forced=False)
         self._wait_jobs([rows[0].job])
         logits = inflight.saved.index_select(
@@ -590,7 +589,9 @@ class Engine:
                             device=inflight.saved.device))              # (n, V)
         # Staging set 1: set 0's copies for this step's own rows may still be queued.
         self.masks.apply(logits, list(range(len(rows))), [r.slot for r in rows], stage=1)
-        tokens, dead = sample(logits, self._sampling_batch(rows))
+        # The flags of the step's batch: the sampler takes the path the row's first sampling
+        # took (the fused and the PyTorch path may differ in the last bit of the noise).
+        tokens, dead = sample(logits, replace(self._sampling_batch(rows), flags=inflight.flags))
         for r in rows:
             r.job = r.prep = None
             r.pending = 1  # the resampled token, on the device: the row samples nothing now
@@ -639,7 +640,6 @@ class Engine:
             self._finish(r, INTERNAL, f"the grammar rejected sampled token {token}")
             return True
         if accept_first:
-            r.af_backoff //= 2
             self._af_level //= 2
         self._take(r, token, logprob)
         return True
