@@ -9,13 +9,13 @@ vocabulary are followed, never re-tokenised text, so the output is the one sampl
 have produced token for token.
 
 `prepare` runs on the engine's mask-fill thread for the rows that go on after a commit:
-- a row that samples mask-first next needs its bitmask row filled for its current state; a
-  filled row is also checked for a single allowed token;
-- a row that samples accept-first next needs no mask; it is filled only when the grammar may
-  force a token here. The cheap test (`may_force`): the grammar's jump-forward string (the
-  text every continuation starts with) is empty, or two vocabulary tokens are prefixes of it
-  (both would be allowed), means at least two allowed tokens. The test only saves fills; a
-  token is forced only when its filled row says so.
+- a row that samples mask-first next needs its bitmask row filled for its current state;
+- a row that samples accept-first next needs no mask.
+A row is checked for a forced token (its filled row counted) only where the grammar may force
+one. The cheap test (`may_force`, about a microsecond): the grammar's jump-forward string (the
+text every continuation starts with) is empty, or two vocabulary tokens are prefixes of it
+(both would be allowed), means at least two allowed tokens. The test only saves work; a token
+is forced only when its filled row says so.
 A chain ends before a stop token (sampling takes those: the grammar may end there), at the
 row's token budget, or where the grammar could be complete.
 """
@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from grammar_service.backends import LLGuidanceMatcher
@@ -56,30 +57,27 @@ class ForcedScan:
     def __init__(self, vocab_size: int, width: int, token_bytes: Iterable[bytes] | None = None):
         self.vocab_size = vocab_size
         self.width = width
-        # Words at or past vocab_size's word count for nothing; the last word keeps its
-        # low (vocab_size % 32) bits.
-        keep = torch.zeros(width, dtype=torch.int64)
-        full, rest = divmod(vocab_size, 32)
-        keep[:full] = 0xFFFFFFFF
-        if rest and full < width:
-            keep[full] = (1 << rest) - 1
-        self._keep = keep
+        # Ids from vocab_size on are no tokens: whole words before `_full`, then the low
+        # `_rest` bits of one more word.
+        self._full, self._rest = divmod(min(vocab_size, 32 * width), 32)
         self._tokens = frozenset(t for t in token_bytes if t) if token_bytes is not None else None
         self._longest = max(map(len, self._tokens), default=0) if self._tokens else 0
 
     def single_allowed(self, host: torch.Tensor, slots: list[int]) -> list[int]:
-        """Per slot: the one allowed token id of its bitmask row, or -1."""
-        if not slots:
-            return []
-        rows = host.index_select(0, torch.tensor(slots, dtype=torch.int64)).to(torch.int64)
-        rows &= self._keep                                               # (n, W), 32-bit words
-        nonzero = rows != 0
-        out = [-1] * len(slots)
-        for i in (nonzero.sum(dim=1) == 1).nonzero().flatten().tolist():
-            word = int(nonzero[i].to(torch.int8).argmax())
-            value = int(rows[i, word])
-            if value & (value - 1) == 0:                                 # one bit
-                out[i] = 32 * word + value.bit_length() - 1
+        """Per slot: the one allowed token id of its bitmask row, or -1. (NumPy on the host
+        rows: a few microseconds a row, no thread pool.)"""
+        words = host.numpy().view(np.uint32)
+        out = []
+        for slot in slots:
+            row = words[slot]
+            tail = int(row[self._full]) & ((1 << self._rest) - 1) if self._rest else 0
+            count = np.count_nonzero(row[:self._full]) + (tail != 0)  # nonzero words
+            if count != 1:
+                out.append(-1)
+                continue
+            word = self._full if tail else int(np.flatnonzero(row[:self._full])[0])
+            value = tail or int(row[word])
+            out.append(32 * word + value.bit_length() - 1 if value & (value - 1) == 0 else -1)
         return out
 
     def may_force(self, matcher) -> bool:
@@ -108,23 +106,22 @@ def prepare(filler, scan: ForcedScan | None, jobs: list[RowJob]) -> tuple[float,
     fills = 0
     active = jobs
     while active:
-        if scan is None:
-            to_fill = [j for j in active if j.need_mask]
-        else:
-            to_fill = [j for j in active if j.need_mask
-                       or (len(j.chain) < j.budget and scan.may_force(j.matcher))]
+        # Rows the grammar may force here (the cheap test), then the rows to fill: those and
+        # the ones that sample mask-first next.
+        maybe = ({id(j) for j in active if len(j.chain) < j.budget and scan.may_force(j.matcher)}
+                 if scan is not None else set())
+        to_fill = [j for j in active if j.need_mask or id(j) in maybe]
         if not to_fill:
             break
         filler.fill([j.matcher for j in to_fill], [j.slot for j in to_fill])
         fills += len(to_fill)
         for j in to_fill:
             j.mask_ok = True
-        if scan is None:
-            break
+        check = [j for j in to_fill if id(j) in maybe]
         active = []
-        for j, token in zip(to_fill, scan.single_allowed(filler.host, [j.slot for j in to_fill]),
-                            strict=True):
-            if token < 0 or token in j.stop_ids or len(j.chain) >= j.budget:
+        for j, token in zip(check, scan.single_allowed(filler.host, [j.slot for j in check])
+                            if check else [], strict=True):
+            if token < 0 or token in j.stop_ids:
                 continue
             if not j.matcher.accept_token(token):  # the mask allowed it: a backend bug
                 raise RuntimeError(f"the grammar refused token {token}, the only one its mask "
