@@ -49,7 +49,7 @@ class EngineHarness:
                          forced_tokens=forced_tokens, accept_first=accept_first),
             model, self.table, ControlChannel(None, 1), vocab_size=self.vocab.vocab_size,
             model_vocab_size=model.config.vocab_size, eos_token_ids=self.vocab.eos_token_ids,
-            device=device, publish=self._outputs.extend, token_bytes=map(self.vocab.token_bytes, range(self.vocab.vocab_size)))
+            device=device, publish=self._outputs.extend)
 
     def run(self, requests: list[Request], release_after: dict[str, int] | None = None,
             max_steps: int = 100_000) -> dict[str, Outcome]:

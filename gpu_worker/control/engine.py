@@ -14,9 +14,9 @@ One step, identical on every rank:
      freed with every piece of their state dropped (I5).
 
 Two shortcuts do less work for exactly the same tokens (each can be turned off):
-- Forced tokens (`forced_tokens`): after a row's token is accepted, the fill thread follows
-  the chain of tokens its grammar allows alone (gpu_worker.guided.forced). The row skips
-  sampling, its chain is emitted at once and fed to its next forward as one chunk.
+- Forced tokens (`forced_tokens`): where the fill thread fills a row's mask, it also follows
+  the chain of tokens the row's grammar allows alone (gpu_worker.guided.forced). The row
+  skips sampling, its chain is emitted at once and fed to its next forward as one chunk.
 - Accept-first (`accept_first`): sampling is argmax(logits / T + g) with per-request noise g,
   so when the argmax over the whole vocabulary is a token the grammar allows, it is also the
   argmax over the allowed tokens: the token mask-first sampling gives. Rows sampled greedily
@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -136,7 +136,8 @@ class Run:
     emitted: int = 0
     first_token_at: float | None = None
     # The latest fill-thread job of this row (mask fill, forced tokens) and its RowJob,
-    # whose results may be read once `job` is done.
+    # whose results may be read once `job` is done: the row's mask is then filled for its
+    # state after `prep.chain`.
     job: Future | None = None
     prep: RowJob | None = None
     stops: frozenset[int] = frozenset()  # ids that end the output (engine, request, grammar)
@@ -224,17 +225,15 @@ class Engine:
     """Runs the step loop of one rank on its own thread.
 
     `publish(outputs)` (rank 0) receives, once per step, every request's RowOutput of that
-    step; it runs on the engine thread and must only hand the list on. `token_bytes` (the
-    bytes of every ordinary token) lets the forced-token scan skip fills it can rule out.
-    `stats` counts what the shortcuts did (also exported as metrics).
+    step; it runs on the engine thread and must only hand the list on. `stats` counts what
+    the shortcuts did (also exported as metrics).
     """
 
     def __init__(self, cfg: EngineConfig, model, table: SlotTable, control: ControlChannel, *,
                  vocab_size: int, model_vocab_size: int, eos_token_ids: tuple[int, ...],
                  device: torch.device, metrics=None,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 publish: Callable[[list[RowOutput]], None] | None = None,
-                 token_bytes: Iterable[bytes] | None = None):
+                 publish: Callable[[list[RowOutput]], None] | None = None):
         self.cfg = cfg
         self.model = model
         self.table = table
@@ -254,8 +253,7 @@ class Engine:
         self._inflight: _InFlight | None = None  # the sampled step whose tokens are on the way
         self.masks = MaskFiller(cfg.num_slots, model_vocab_size, device,
                                 fill_threads=cfg.mask_fill_threads or "auto")
-        self.scan = (ForcedScan(vocab_size, self.masks.width, token_bytes)
-                     if cfg.forced_tokens else None)
+        self.scan = ForcedScan(vocab_size, self.masks.width) if cfg.forced_tokens else None
         self.stats: Counter[str] = Counter()
         self._redo: tuple[list[Run], torch.Tensor] | None = None  # resampled at the commit
         self._af_level = 0  # accept-first backoff: a row tries on one token in level + 1
@@ -386,7 +384,7 @@ class Engine:
         for the first time get their fill-thread job submitted first, so it runs meanwhile. A
         row whose newest token is still on the device gets it there (no host round trip)."""
         fresh = [s.run for s in seqs if s.samples and s.run.req.matcher is not None
-                 and s.run.prep is None and not s.run.pending]
+                 and s.run.prep is None and not s.run.pending and not self._accept_first(s.run)]
         if fresh:
             self._submit(fresh)
         slots, starts = [s.run.slot for s in seqs], [s.run.kv_len for s in seqs]
@@ -456,9 +454,9 @@ class Engine:
                     af[j] = len(af)
                 else:
                     masked.append(j)
-            stale = [rows[j] for j in masked if rows[j].prep is None or not rows[j].prep.mask_ok]
-            if stale:  # not filled for its current state yet (first sampling, a mode change)
-                self._submit(stale, need_mask=True, forced=False)
+            stale = [rows[j] for j in masked if rows[j].prep is None]
+            if stale:  # not filled for its current state (its mode changed since its commit)
+                self._submit(stale, forced=False)
                 t["mask_fill"] += self._wait_jobs([r.job for r in stale])
             for r in rows:
                 r.job = r.prep = None
@@ -566,7 +564,7 @@ class Engine:
         # Start the next step's jobs now, while its forward runs.
         redo = set(refused)
         ahead = [r for j, r in enumerate(rows) if r.req.matcher is not None
-                 and self.runs.get(r.slot) is r and j not in redo]
+                 and self.runs.get(r.slot) is r and j not in redo and not self._accept_first(r)]
         if ahead:
             self._submit(ahead)
         t["commit"] = time.perf_counter() - t0
@@ -582,7 +580,7 @@ class Engine:
             self.metrics.accept_first_refused.inc(len(rows))
         for _ in rows:
             self._af_level = min(2 * self._af_level + 1, self.cfg.accept_first_max_backoff)
-        self._submit(rows, need_mask=True, forced=False)
+        self._submit(rows, forced=False)
         self._wait_jobs([rows[0].job])
         logits = inflight.saved.index_select(
             0, torch.tensor([inflight.accept_first[j] for j in refused],
@@ -599,23 +597,17 @@ class Engine:
                 r.fed -= 1
         self._redo = (rows, torch.where(dead, -1, tokens))
 
-    def _submit(self, runs: list[Run], need_mask: bool | None = None, forced: bool = True) -> None:
-        """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill the
-        bitmask rows of those that sample mask-first next (all of them with `need_mask`) and
-        follow forced tokens (unless `forced` is False or the engine does not).
+    def _submit(self, runs: list[Run], forced: bool = True) -> None:
+        """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
+        bitmask rows and follow forced tokens (unless `forced` is False or the engine does
+        not).
 
         A released slot's pending job may still write its row; its next tenant's job is
         submitted later and so runs later, and is waited for before that row is used."""
-        scan = self.scan if forced else None
-        jobs = []
-        for r in runs:
-            budget = min(r.req.max_tokens - r.known,
-                         self.cfg.max_model_len - r.prefilled - r.known)
-            mask = need_mask if need_mask is not None else not self._accept_first(r)
-            jobs.append(RowJob(r.req.matcher, r.slot, mask, max(0, budget), r.stops))
-        if scan is None and not any(j.need_mask for j in jobs):
-            return
-        future = self._fill_pool.submit(prepare, self.masks, scan, jobs)
+        jobs = [RowJob(r.req.matcher, r.slot, max(0, min(
+            r.req.max_tokens - r.known, self.cfg.max_model_len - r.prefilled - r.known)), r.stops)
+            for r in runs]
+        future = self._fill_pool.submit(prepare, self.masks, self.scan if forced else None, jobs)
         for r, job in zip(runs, jobs, strict=True):
             r.job, r.prep = future, job
 

@@ -370,8 +370,7 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
                          forced_tokens=cfg.forced_tokens, accept_first=cfg.accept_first),
         model, table, ControlChannel(control_group, cfg.tp),
         vocab_size=vocab.vocab_size, model_vocab_size=model.config.vocab_size,
-        eos_token_ids=vocab.eos_token_ids, device=device, metrics=metrics,
-        token_bytes=map(vocab.token_bytes, range(vocab.vocab_size)))
+        eos_token_ids=vocab.eos_token_ids, device=device, metrics=metrics)
     # Admissions run off the session reader (a grammar fetch can take seconds); the pool is
     # sized for concurrent fetches, not for the slot count.
     rank = Rank(cfg, model_dir, vocab, device, dtype, table, grammars, engine, metrics,
