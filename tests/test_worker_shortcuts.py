@@ -142,8 +142,8 @@ def test_each_mechanism_runs_only_where_it_is_on(results):
 
 def test_accept_first_backs_off_when_the_model_ignores_the_grammar(results):
     """The test model's weights are random: nearly every unmasked token is refused. A refusal
-    costs its row one step, so the engine's backoff level rises and later guided tokens are
-    sampled mask-first, but for a few tries spread over the rows."""
+    costs its row one step, so rows back off, the engine's refusal average rises, and rows
+    admitted later start backed off: they sample (nearly) every token mask-first."""
     outs, stats, harness, constraints = results["accept_first"]
     assert stats["resamples"] >= stats["accept_first"] * 0.8  # the model ignores the grammar
     _, llg = grammars(harness.vocab)
@@ -152,7 +152,7 @@ def test_accept_first_backs_off_when_the_model_ignores_the_grammar(results):
     again = harness.run(wave)
     tried = harness.engine.stats["accept_first"] - before["accept_first"]
     tokens = sum(len(again[r.request_id].tokens) for r in wave)
-    assert 0 < tried <= tokens / 10, (tried, tokens)
+    assert tried <= tokens / 10, (tried, tokens)
     assert all(again[r.request_id].tokens == outs[r.request_id].tokens for r in wave)
 
 

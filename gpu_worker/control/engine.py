@@ -24,13 +24,14 @@ Two shortcuts do less work for exactly the same tokens (each can be turned off):
   unmasked and need no mask fill. Their token is checked when it is accepted, at the commit;
   a refused token is resampled there from the step's saved logits with the row's mask (every
   word written, I4) and the same noise, and the row's input of the forward already launched
-  is rewritten at its next feed (that row loses one step). The engine backs off: with level
-  L, a row tries accept-first on one token in L + 1 (by token index and slot, so the tries
-  spread over rows and never stop); a refusal sets L to 2L + 1 (at most
-  `accept_first_max_backoff`), an acceptance halves it. So a model that does not follow the
-  grammar soon samples nearly every guided token mask-first and costs about what mask-first
-  costs, and one that does keeps L near 0. (Every rank sees the same acceptances in the same
-  order, so every rank makes the same choices.)
+  is rewritten at its next feed (that row loses one step). A row backs off after a refusal:
+  it samples mask-first for 1, 3, 7, ... up to `accept_first_max_backoff` tokens, and an
+  acceptance halves its backoff. The engine keeps a moving average of the refusal rate over
+  all tries; while it is above one half (a model that does not follow the grammar), a new
+  row starts fully backed off. So such a model costs about what mask-first costs, and one
+  that follows the grammar keeps nearly every row accept-first. A row's mode is decided when
+  its previous token is accepted (its mask fill starts then, or never). (Every rank sees the
+  same acceptances in the same order, so every rank makes the same choices.)
 The engine imports neither grpc nor protos: it hands each step's typed outputs (RowOutput,
 Finish) to `publish`, and the server translates them.
 """
@@ -141,6 +142,9 @@ class Run:
     job: Future | None = None
     prep: RowJob | None = None
     stops: frozenset[int] = frozenset()  # ids that end the output (engine, request, grammar)
+    af_backoff: int = 0            # accept-first: mask-first tokens after the next refusal
+    af_skip: int = 0               # accept-first: mask-first tokens left before trying again
+    af_next: bool | None = None    # the mode of the next sampling, once decided
 
     @property
     def slot(self) -> int:
@@ -256,7 +260,7 @@ class Engine:
         self.scan = ForcedScan(vocab_size, self.masks.width) if cfg.forced_tokens else None
         self.stats: Counter[str] = Counter()
         self._redo: tuple[list[Run], torch.Tensor] | None = None  # resampled at the commit
-        self._af_level = 0  # accept-first backoff: a row tries on one token in level + 1
+        self._refusal_rate = 0.0  # moving average over accept-first tries (1 = refused)
         # One bitmask row on the host for the "can the grammar only end here?" check.
         self._end_row = torch.empty((1, self.masks.width), dtype=torch.int32)
         self.graphs = None
@@ -341,7 +345,9 @@ class Engine:
             stops = self.eos | req.stop_token_ids
             if req.matcher is not None:
                 stops |= frozenset(req.matcher.stop_token_ids)
-            self.runs[entry.slot] = Run(entry, req, self.step_index, stops=stops)
+            start = self.cfg.accept_first_max_backoff if self._refusal_rate > 0.5 else 0
+            self.runs[entry.slot] = Run(entry, req, self.step_index, stops=stops,
+                                        af_backoff=start, af_skip=start)
         self.step_index += 1
         self._update_gauges()
 
@@ -372,12 +378,24 @@ class Engine:
         return r.known >= r.req.max_tokens or r.prefilled + r.known >= self.cfg.max_model_len
 
     def _accept_first(self, r: Run) -> bool:
-        """Whether r's next token is sampled unmasked first (see the module docstring)."""
-        q = r.req
-        return (self.cfg.accept_first and q.matcher is not None
-                and (r.known + r.slot) % (self._af_level + 1) == 0
-                and q.top_k == 0 and q.top_p >= 1.0 and q.min_p == 0.0 and not q.logprobs
-                and r.known >= q.min_tokens)
+        """Whether r's next token is sampled unmasked first (see the module docstring),
+        decided once per token."""
+        if r.af_next is None:
+            q = r.req
+            r.af_next = (self.cfg.accept_first and q.matcher is not None and r.af_skip == 0
+                         and q.top_k == 0 and q.top_p >= 1.0 and q.min_p == 0.0
+                         and not q.logprobs and r.known >= q.min_tokens)
+        return r.af_next
+
+    def _accept_first_result(self, r: Run, refused: bool) -> None:
+        """Back r (and the engine's average) off after a refusal, forward after an
+        acceptance."""
+        self._refusal_rate += (float(refused) - self._refusal_rate) / 32
+        if refused:
+            r.af_backoff = min(2 * r.af_backoff + 1, self.cfg.accept_first_max_backoff)
+            r.af_skip = r.af_backoff
+        else:
+            r.af_backoff //= 2
 
     def _execute(self, seqs: list[Seq]) -> torch.Tensor:
         """The forward of the step: (S, V) fp32 logits, one row per sequence. Rows that sample
@@ -454,12 +472,14 @@ class Engine:
                     af[j] = len(af)
                 else:
                     masked.append(j)
+                    r.af_skip = max(0, r.af_skip - 1)
             stale = [rows[j] for j in masked if rows[j].prep is None]
             if stale:  # not filled for its current state (its mode changed since its commit)
                 self._submit(stale, forced=False)
                 t["mask_fill"] += self._wait_jobs([r.job for r in stale])
             for r in rows:
                 r.job = r.prep = None
+                r.af_next = None
             t_mask = time.perf_counter()
             if masked:
                 self.masks.apply(logits, masked, [rows[j].slot for j in masked])
@@ -578,8 +598,8 @@ class Engine:
         self.stats["resamples"] += len(rows)
         if self.metrics is not None:
             self.metrics.accept_first_refused.inc(len(rows))
-        for _ in rows:
-            self._af_level = min(2 * self._af_level + 1, self.cfg.accept_first_max_backoff)
+        for r in rows:
+            self._accept_first_result(r, refused=True)
         self._submit(rows, forced=False)
         self._wait_jobs([rows[0].job])
         logits = inflight.saved.index_select(
@@ -632,7 +652,7 @@ class Engine:
             self._finish(r, INTERNAL, f"the grammar rejected sampled token {token}")
             return True
         if accept_first:
-            self._af_level //= 2
+            self._accept_first_result(r, refused=False)
         self._take(r, token, logprob)
         return True
 
