@@ -184,12 +184,21 @@ class _InFlight:
     # Rows that asked for logprobs: (their indices in `rows`, (L, 1 + k) logprobs and
     # (L, k) token ids on the host, ready with `done`); None when no row asked.
     logprobs: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
-    # Accept-first rows: row index -> row of `saved`, their (A, V) logits as sampled
-    # (unmasked), kept for a resample at the commit.
+    # Accept-first rows: row index -> row of `saved`, the step's (R, V) logits as sampled
+    # (theirs unmasked), kept for a resample at the commit.
     accept_first: dict[int, int] = field(default_factory=dict)
     saved: torch.Tensor | None = None
     # The sampling batch's flags: a resample takes the same code path (bit for bit, I3).
     flags: SamplingFlags | None = None
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index tensor on `device`, copied from pinned memory without blocking: a copy
+    from pageable memory would wait for the forward queued before it."""
+    index = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        index = index.pin_memory().to(device, non_blocking=True)
+    return index
 
 
 def _logprob_rows(inflight: _InFlight) -> dict[int, tuple[float, list[int], list[float]]]:
@@ -460,7 +469,7 @@ class Engine:
         lp = None
         if rows:
             if len(rows) < logits.shape[0]:
-                logits = logits[torch.tensor(keep, device=logits.device)]
+                logits = logits.index_select(0, _index(keep, logits.device))
             logits = logits.contiguous()                                # (R, V)
             if self.vocab_size < logits.shape[1]:
                 logits[:, self.vocab_size:] = float("-inf")  # padded ids are no tokens
@@ -486,7 +495,9 @@ class Engine:
             self._suppress_early_stop(logits, rows)
             saved = None
             if af:
-                saved = logits.index_select(0, torch.tensor(list(af), device=logits.device))
+                # Every row (one device copy, no index to send): row j of `saved` is row j.
+                saved = logits.clone()
+                af = {j: j for j in af}
                 self.stats["accept_first"] += len(af)
                 if self.metrics is not None:
                     self.metrics.accept_first_sampled.inc(len(af))
@@ -536,7 +547,7 @@ class Engine:
         if not asked:
             return None
         k = max(rows[j].req.top_logprobs for j in asked)
-        idx = torch.tensor(asked, device=logits.device)
+        idx = _index(asked, logits.device)
         sub = logits.index_select(0, idx)                               # (L, V) masked
         lse = torch.logsumexp(sub, dim=-1, keepdim=True)                # (L, 1)
         values = sub.gather(1, tokens.index_select(0, idx)[:, None])    # (L, 1)
@@ -603,8 +614,7 @@ class Engine:
         self._submit(rows, forced=False)
         self._wait_jobs([rows[0].job])
         logits = inflight.saved.index_select(
-            0, torch.tensor([inflight.accept_first[j] for j in refused],
-                            device=inflight.saved.device))              # (n, V)
+            0, _index([inflight.accept_first[j] for j in refused], inflight.saved.device))
         # Staging set 1: set 0's copies for this step's own rows may still be queued.
         self.masks.apply(logits, list(range(len(rows))), [r.slot for r in rows], stage=1)
         # The flags of the step's batch: the sampler takes the path the row's first sampling
