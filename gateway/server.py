@@ -19,12 +19,14 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry
 
+from gateway import auth
 from gateway.chat import chat_prompt_ids, parse_tools
 from gateway.choices import MAX_N, choice_requests, merged
 from gateway.config import GatewayConfig, add_gateway_args
@@ -37,6 +39,7 @@ from gateway.validation import (
     Limits,
     check_output_against_schema,
     constraint_kind,
+    prompt_bytes,
     validate_constraint,
     validate_request,
 )
@@ -48,6 +51,7 @@ from protos.rpc import (
     InvalidArgument,
     NotFound,
     ServiceError,
+    Unauthenticated,
     aio_channel,
     create_aio_server,
     set_serving_aio,
@@ -58,8 +62,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _COMPILE_TIMEOUT = 120.0
-# Prompts longer than this are tokenised on a thread, off the event loop.
+# Prompts longer than this (UTF-8 bytes) are tokenised on a thread, off the event loop.
 _INLINE_TOKENIZE_CHARS = 4096
+_TOKENIZE_THREADS = 2
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -74,10 +79,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._runner = runner
         self._metrics = metrics
         self._limits = Limits(vocab_size=vocab.vocab_size,
-                              max_request_bytes=config.max_request_bytes)
-        self._grammar_channel = aio_channel(config.grammar_service, tls_ca=config.ca_bytes())
+                              max_request_bytes=config.max_request_bytes,
+                              max_prompt_bytes=config.max_prompt_bytes)
+        self._tokens = config.token_table()
+        self._grammar_channel = aio_channel(config.grammar_service, tls_ca=config.ca_bytes(),
+                                            tls_identity=config.tls_identity())
         self._grammar = grammar_pb2_grpc.GrammarServiceStub(self._grammar_channel)
         self._refs = GrammarRefs()
+        self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     # -- rpcs -----------------------------------------------------------------------------
 
@@ -86,12 +95,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not 0 <= request.n <= MAX_N:
             raise InvalidArgument(f"must be 1 to {MAX_N} (0 means 1), got {request.n}",
                                   field="n")
+        client = self.authenticate(_authorization(context))
         if request.n > 1:
             choices = choice_requests(request, request.n)
-            async for response in merged(self, choices, context.time_remaining()):
+            async for response in merged(self, choices, context.time_remaining(), client):
                 yield response
             return
-        async for response in self.generate(request, context.time_remaining(), arrived):
+        async for response in self.generate(request, context.time_remaining(), arrived,
+                                            client):
             yield response
 
     async def CompileGrammar(self, request, context):
@@ -110,11 +121,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     # -- the API both fronts share (gRPC above, HTTP in gateway/openai_api.py) ----------------
 
+    def authenticate(self, authorization: str | None) -> str:
+        """The client identity of an `authorization` value (gRPC metadata or HTTP header):
+        the name its bearer token maps to, or "" when authentication is off. Raises
+        Unauthenticated without a valid token."""
+        if self._tokens is None:
+            return ""
+        try:
+            return self._tokens.authenticate(authorization)
+        except auth.Unauthenticated as exc:
+            raise Unauthenticated(str(exc)) from None
+
     async def generate(self, request: gateway_pb2.GenerateRequest, remaining: float | None,
-                       arrived: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+                       arrived: float | None = None,
+                       client: str = "") -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Validate, tokenise, compile and run one request: its deltas, then its final.
 
         `remaining` is the caller's deadline in seconds from `arrived` (None: no deadline).
+        `client` is the caller's identity (`authenticate`), for the per-client limits.
         Raises ServiceError (InvalidArgument naming the field, NotFound for another model,
         ResourceExhausted, Unavailable, DeadlineExceeded); counts the request's metrics.
         """
@@ -123,6 +147,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         status = "CANCELLED"  # unless the stream ends otherwise (a cancelled task is one)
         try:
             job = await self._job(request, arrived, kind, remaining)
+            job.client = client
             async for response in self._runner.run(job):
                 yield response
             status = "OK"
@@ -162,15 +187,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def close(self) -> None:
         await self._grammar_channel.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- steps ----------------------------------------------------------------------------
 
     async def _job(self, request, arrived: float, kind: str, remaining: float | None) -> Job:
-        validate_request(request, self._limits)
+        validate_request(request, self._limits)  # bounds the prompt's bytes first
         self._check_model(request.model)
-        if len(request.prompt) + sum(len(m.content) for m in request.messages) \
-                + len(request.tools_json) > _INLINE_TOKENIZE_CHARS:
-            prompt_ids = await asyncio.to_thread(self._tokenize, request)
+        if prompt_bytes(request) > _INLINE_TOKENIZE_CHARS:
+            prompt_ids = await self._tokenize_off_loop(request)
         else:
             prompt_ids = self._tokenize(request)
         self._check_length(prompt_ids)
@@ -206,6 +231,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise NotFound(f"unknown model {model!r}; this gateway serves {self._model_id!r}",
                            field="model")
 
+    async def _tokenize_off_loop(self, request) -> list[int]:
+        """Tokenise a long prompt on the tokeniser threads: the event loop keeps serving
+        every other request meanwhile (the Rust tokenizer releases the GIL), and at most
+        `_TOKENIZE_THREADS` long prompts tokenise at once."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, self._tokenize, request)
+
     def _tokenize(self, request) -> list[int]:
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
@@ -240,6 +272,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                timeout=timeout)
         except grpc.RpcError as exc:
             raise service_error(exc.code(), exc.details(), "grammar service") from None
+
+
+def _authorization(context) -> str | None:
+    """The `authorization` metadata of a call, or None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return None
 
 
 @dataclass
@@ -291,8 +331,9 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
             asyncio.get_running_loop().create_task(
                 set_serving_aio(health_ref[0], [SERVICE_NAME], healthy > 0))
 
-    router = Router(states, config.max_queue, on_change=on_change)
-    clients = [GroupClient(s, config.ca_bytes()) for s in states]
+    router = Router(states, config.max_queue, client_streams=config.client_max_streams,
+                    client_queued=config.client_max_queued, on_change=on_change)
+    clients = [GroupClient(s, config.ca_bytes(), config.tls_identity()) for s in states]
     monitor = HealthMonitor(router, clients, vocab.fingerprint, config.health_interval)
     runner = Runner(router, clients, vocab.token_bytes, metrics, monitor.poke,
                     check_output_against_schema)
@@ -310,7 +351,9 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
     await monitor.start()
     server, port, health = await create_aio_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
-        host=config.host, port=config.port, tls=config.tls_pair())
+        host=config.host, port=config.port, tls=config.tls_pair(),
+        reflection=config.reflection,
+        authenticate=servicer.authenticate if config.auth_tokens is not None else None)
     health_ref.append(health)
     serving[:] = [bool(router.healthy_groups())]
     await set_serving_aio(health, [SERVICE_NAME], serving[0])
@@ -339,7 +382,8 @@ def create_server(config: GatewayConfig, registry: CollectorRegistry | None = No
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         raise
-    metrics_server, gateway.metrics_port = start_metrics_server(config.metrics_port, registry)
+    metrics_server, gateway.metrics_port = start_metrics_server(config.metrics_port, registry,
+                                                                host=config.metrics_host)
     gateway._parts["metrics_server"] = metrics_server
     return gateway
 

@@ -32,6 +32,9 @@ class GrammarServiceConfig:
     max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES
     tls_cert: str = ""
     tls_key: str = ""
+    tls_client_ca: str = ""
+    metrics_host: str = "127.0.0.1"
+    reflection: str = "on"
     drain_seconds: float = 5.0
 
     def __post_init__(self):
@@ -47,6 +50,9 @@ class GrammarServiceConfig:
             (bool(self.tls_cert) == bool(self.tls_key),
              "--tls-cert and --tls-key must be given together"),
             (self.drain_seconds >= 0, "--drain-seconds must be >= 0"),
+            (not self.tls_client_ca or bool(self.tls_cert),
+             "--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)"),
+            (self.reflection in ("on", "off"), "--reflection must be on or off"),
         ]
         for ok, message in checks:
             if not ok:
@@ -87,6 +93,13 @@ def parse_config(argv: list[str] | None = None) -> GrammarServiceConfig:
                    default=env_default("max_spec_bytes", d.max_spec_bytes))
     p.add_argument("--tls-cert", default=env_default("tls_cert", d.tls_cert))
     p.add_argument("--tls-key", default=env_default("tls_key", d.tls_key))
+    p.add_argument("--tls-client-ca", default=env_default("tls_client_ca", d.tls_client_ca),
+                   help="CA PEM client certificates must be signed by: mutual TLS, plaintext "
+                        "and other certificates refused")
+    p.add_argument("--metrics-host", default=env_default("metrics_host", d.metrics_host),
+                   help="bind address of /metrics (loopback unless set)")
+    p.add_argument("--reflection", default=env_default("reflection", d.reflection),
+                   choices=("on", "off"), help="gRPC server reflection")
     p.add_argument("--drain-seconds", type=float,
                    default=env_default("drain_seconds", d.drain_seconds),
                    help="grace for running calls on SIGTERM")

@@ -155,12 +155,14 @@ def create_server(config: GrammarServiceConfig, *, registry: CollectorRegistry |
     tls = None
     if config.tls_cert:
         tls = (Path(config.tls_cert).read_bytes(), Path(config.tls_key).read_bytes())
+    client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
     try:
         server, port, health = rpc.create_server(
             [(grammar_pb2_grpc.add_GrammarServiceServicer_to_server, service, SERVICE_NAME)],
-            host=config.host, port=config.port, tls=tls)
+            host=config.host, port=config.port, tls=tls, client_ca=client_ca,
+            reflection=config.reflection == "on")
         _, service.metrics_port = rpc.start_metrics_server(config.metrics_port, registry,
-                                                           host=config.host)
+                                                           host=config.metrics_host)
     except BaseException:
         pool.close()
         raise

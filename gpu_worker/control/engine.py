@@ -32,6 +32,7 @@ from gpu_worker.control.slots import Entry, SlotTable
 from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 from gpu_worker.sampling.sampler import SamplingBatch, sample
+from protos.rpc import public_message
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,8 @@ class Engine:
             log.error("engine stopped: %s", exc, exc_info=not isinstance(exc, RuntimeError))
             self.table.abort_step()
             self._inflight = None
-            self._fail_all(UNAVAILABLE, f"worker rank failed: {exc}")
+            # Library errors (gloo's lost peer) name their C++ source files: not for clients.
+            self._fail_all(UNAVAILABLE, public_message(f"worker rank failed: {exc}"))
             self._flush()
             if self.on_fatal is not None:
                 self.on_fatal(exc)

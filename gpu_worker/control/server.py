@@ -345,6 +345,14 @@ def _device_and_dtype(cfg: WorkerConfig) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
+def _tls_pair(cfg: WorkerConfig) -> tuple[bytes, bytes] | None:
+    """This rank's (certificate chain, key) PEM: served, and presented to the grammar service."""
+    if not cfg.tls_cert:
+        return None
+    with open(cfg.tls_cert, "rb") as c, open(cfg.tls_key, "rb") as k:
+        return c.read(), k.read()
+
+
 def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
     """Join the group, load the shard and start the engine (not the gRPC server)."""
     device, dtype = _device_and_dtype(cfg)
@@ -360,7 +368,7 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
     table = SlotTable(cfg.slots, is_rank0=cfg.rank == 0, admit_timeout_s=cfg.admit_timeout_s)
     tls_ca = open(cfg.tls_ca, "rb").read() if cfg.tls_ca else None
     grammars = WorkerGrammarCache(cfg.grammar_service, vocab, cfg.grammar_cache_bytes,
-                                  metrics=metrics, tls_ca=tls_ca)
+                                  metrics=metrics, tls_ca=tls_ca, tls_identity=_tls_pair(cfg))
     engine = eng.Engine(
         eng.EngineConfig(num_slots=cfg.slots, max_model_len=cfg.max_model_len,
                          step_tokens=cfg.step_tokens,
@@ -384,12 +392,11 @@ def serve(cfg: WorkerConfig, registry: CollectorRegistry | None = None):
     group is formed (every rank must be started)."""
     registry = registry or CollectorRegistry()
     rank = build_rank(cfg, registry)
-    tls = None
-    if cfg.tls_cert:
-        tls = (open(cfg.tls_cert, "rb").read(), open(cfg.tls_key, "rb").read())
+    client_ca = open(cfg.tls_client_ca, "rb").read() if cfg.tls_client_ca else None
     server, port, health = create_server(
         [(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(rank), SERVICE_NAME)],
-        host=cfg.host, port=cfg.port, tls=tls)
+        host=cfg.host, port=cfg.port, tls=_tls_pair(cfg), client_ca=client_ca,
+        reflection=cfg.reflection == "on")
 
     def on_fatal(exc: BaseException) -> None:
         # A rank without its peers can do nothing useful: say so, let streams carry the
@@ -406,7 +413,7 @@ def serve(cfg: WorkerConfig, registry: CollectorRegistry | None = None):
 
     rank.engine.on_fatal = on_fatal
     rank.engine.start()
-    start_metrics_server(cfg.metrics_port, registry)
+    start_metrics_server(cfg.metrics_port, registry, host=cfg.metrics_host)
     log.info("worker rank %d/%d serving on %s:%d (model %s, %s, %d slots)", cfg.rank, cfg.tp,
              cfg.host, port, rank.model_dir, rank.device, cfg.slots)
     return server, port, rank
