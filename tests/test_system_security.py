@@ -5,6 +5,9 @@ gateway) for the module."""
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +17,7 @@ import grpc
 import pytest
 from conftest import RealSystem
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from procs import metric
+from procs import ROOT, metric
 
 from gateway.dev_tls import ensure_dev_tls
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -192,3 +195,37 @@ def test_every_port_listens_on_loopback_only(secure):
             assert host in loopback, f"{child.name} listens on {host}:{port}"
     # gRPC, metrics, the rendezvous store (rank 0) and gloo's pairs were all looked at.
     assert seen >= 2 + 2 + 2 + 1 + 2
+
+
+def test_up_with_tls_dir_and_tokens_serves_over_mutual_tls(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN_A} client-a\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+           "GRAMSERVE_TORCH_THREADS": "1", "GRAMSERVE_COMPILE_WORKERS": "1"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "up", "--tp", "1", "--port", "0",
+         "--http-port", "-1", "--metrics-port", "-1", "--slots", "2", "--max-model-len", "128",
+         "--tls-dir", str(tmp_path / "tls"), "--auth-tokens", str(tokens)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+        start_new_session=True)
+    try:
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("gramserve is up"):
+                break
+        assert lines and lines[-1].startswith("gramserve is up"), "".join(lines)
+        addr = lines[-1].split()[-1]
+        assert {p.name for p in (tmp_path / "tls").iterdir()} >= {"ca.crt", "tls.crt", "tls.key"}
+        assert oct((tmp_path / "tls" / "tls.key").stat().st_mode)[-3:] == "600"
+        cmd = [sys.executable, "-m", "gateway.cli", "generate", "--addr", addr, "--choice", "yes",
+               "--choice", "no", "--json", "Answer:"]
+        out = subprocess.run([*cmd, "--token", TOKEN_A], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["text"] in ("yes", "no")
+        refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr, refused.stderr
+    finally:
+        os.killpg(up.pid, signal.SIGTERM)
+        up.wait(60)
