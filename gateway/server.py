@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import secrets
 import signal
 import threading
@@ -54,6 +55,7 @@ from protos.rpc import (
     Unauthenticated,
     aio_channel,
     create_aio_server,
+    register_build_info,
     set_serving_aio,
     start_metrics_server,
 )
@@ -65,6 +67,7 @@ _COMPILE_TIMEOUT = 120.0
 # Prompts longer than this (UTF-8 bytes) are tokenised on a thread, off the event loop.
 _INLINE_TOKENIZE_CHARS = 4096
 _TOKENIZE_THREADS = 2
+_SPEC_FIELD = re.compile(r"(?<![\w.])spec(?=[.:\[])")
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -271,7 +274,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return await self._grammar.Compile(grammar_pb2.CompileRequest(spec=spec),
                                                timeout=timeout)
         except grpc.RpcError as exc:
-            raise service_error(exc.code(), exc.details(), "grammar service") from None
+            # The grammar service names its own request's field (`spec.json_schema`); our
+            # caller sent it as `constraint`.
+            details = _SPEC_FIELD.sub("constraint", exc.details() or "")
+            raise service_error(exc.code(), details, "grammar service") from None
 
 
 def _authorization(context) -> str | None:
@@ -316,6 +322,7 @@ class Gateway:
 
 async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Gateway) -> None:
     metrics = GatewayMetrics(registry)
+    register_build_info(registry, "gateway")
     model_dir = resolve_model(config.model)
     vocab = load_vocab(model_dir)
     states = [GroupState(index=i, addresses=g) for i, g in enumerate(config.groups)]

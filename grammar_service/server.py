@@ -112,6 +112,8 @@ class GrammarService(grammar_pb2_grpc.GrammarServiceServicer):
             reason = getattr(exc, "reason", None)
             if reason:
                 self.metrics.compile_failures.labels(reason).inc()
+                self.metrics.failed_compile_seconds.labels(reason).observe(
+                    time.perf_counter() - start)
             raise
         finally:
             self.metrics.compiles_in_flight.dec()
@@ -146,6 +148,8 @@ def create_server(config: GrammarServiceConfig, *, registry: CollectorRegistry |
         vocab = load_vocab(resolve_model(config.model or None))
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GrammarMetrics(registry)
+    rpc.register_build_info(registry, "grammar-service", xgrammar=XGRAMMAR_VERSION,
+                            llguidance=VERSIONS[LLGUIDANCE])
     pool = CompilePool(VocabView.of(vocab),
                        workers=config.compile_workers, timeout_s=config.compile_timeout,
                        memory_mb=config.compile_memory_mb, threads=config.compile_threads)

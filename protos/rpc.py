@@ -83,9 +83,12 @@ def _retry_metadata(exc: BaseException) -> tuple[tuple[str, str], ...] | None:
 
 # A source location as C++ libraries (gloo, NCCL, c10) and tracebacks print them:
 # `[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534]`, `/usr/lib/x/y.py:12`, ...
+_EXT = r"\.(?:cc|cpp|cxx|c|h|hpp|cu|cuh|py|pyx|so)"
 _SOURCE_REF = re.compile(
-    r"(?<![\w:/.])\[?(?:[A-Za-z]:)?[\w.~+-]*(?:[/\\][\w.~+-]+)*[/\\]?[\w~+-]+"
-    r"\.(?:cc|cpp|cxx|c|h|hpp|cu|cuh|py|pyx|so)(?::\d+)*\]?:?[ \t]*")
+    r"(?<![\w:/.])\[?(?:"
+    r"(?:[A-Za-z]:)?[\w.~+-]*(?:[/\\][\w.~+-]+)+" + _EXT + r"(?::\d+)*"  # a path
+    r"|[\w~+-]+" + _EXT + r"(?::\d+)+"  # a bare file name with its line
+    r")(?![\w.])\]?:?[ \t]*")
 
 
 def public_message(text: str) -> str:
@@ -111,6 +114,54 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
     context.abort(*_status(exc))
 
 
+class _Refused:
+    """A request whose bytes were refused while decoding; the handler raises `error`."""
+
+    def __init__(self, error: ServiceError):
+        self.error = error
+
+
+def _checked_deserializer(deserialize):
+    """`deserialize` that turns an undecodable request (a string that is not UTF-8) or one
+    with two members of a oneof into a _Refused naming the field, instead of the INTERNAL
+    status gRPC gives a deserializer's exception."""
+    from google.protobuf.message import DecodeError
+
+    from protos import wire
+
+    descriptor = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    if descriptor is None:
+        return deserialize
+
+    def parse(data: bytes):
+        try:
+            request = deserialize(data)
+        except DecodeError as exc:
+            field = wire.bad_utf8_field(descriptor, data)
+            if field:
+                return _Refused(InvalidArgument("is not valid UTF-8", field=field))
+            return _Refused(InvalidArgument(
+                f"not a valid {descriptor.full_name}: {exc}", field="request"))
+        conflict = wire.oneof_conflict(descriptor, data)
+        if conflict:
+            return _Refused(InvalidArgument(conflict))
+        return request
+    return parse
+
+
+def _with_checked_request(handler, wrap_unary, wrap_stream):
+    """The handler with its request checked while decoding and its behaviour wrapped."""
+    if handler.unary_unary:
+        return handler._replace(
+            request_deserializer=_checked_deserializer(handler.request_deserializer),
+            unary_unary=wrap_unary(handler.unary_unary))
+    if handler.unary_stream:
+        return handler._replace(
+            request_deserializer=_checked_deserializer(handler.request_deserializer),
+            unary_stream=wrap_stream(handler.unary_stream))
+    return handler
+
+
 class _ErrorMapper(grpc.ServerInterceptor):
     """Turns ServiceError into its status code and any other exception into INTERNAL."""
 
@@ -122,6 +173,8 @@ class _ErrorMapper(grpc.ServerInterceptor):
         def wrap_unary(fn):
             def call(request, context):
                 try:
+                    if isinstance(request, _Refused):
+                        raise request.error
                     return fn(request, context)
                 except ServiceError as exc:
                     _abort(context, exc)
@@ -134,6 +187,8 @@ class _ErrorMapper(grpc.ServerInterceptor):
         def wrap_stream(fn):
             def call(request, context):
                 try:
+                    if isinstance(request, _Refused):
+                        raise request.error
                     yield from fn(request, context)
                 except ServiceError as exc:
                     _abort(context, exc)
@@ -143,11 +198,7 @@ class _ErrorMapper(grpc.ServerInterceptor):
                     _abort(context, exc)
             return call
 
-        if handler.unary_unary:
-            return handler._replace(unary_unary=wrap_unary(handler.unary_unary))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=wrap_stream(handler.unary_stream))
-        return handler
+        return _with_checked_request(handler, wrap_unary, wrap_stream)
 
 
 class _AioErrorMapper(grpc.aio.ServerInterceptor):
@@ -165,6 +216,8 @@ class _AioErrorMapper(grpc.aio.ServerInterceptor):
         def wrap_unary(fn):
             async def call(request, context):
                 try:
+                    if isinstance(request, _Refused):
+                        raise request.error
                     return await fn(request, context)
                 except ServiceError as exc:
                     await _abort_aio(context, exc)
@@ -177,6 +230,8 @@ class _AioErrorMapper(grpc.aio.ServerInterceptor):
         def wrap_stream(fn):
             async def call(request, context):
                 try:
+                    if isinstance(request, _Refused):
+                        raise request.error
                     async for item in fn(request, context):
                         yield item
                 except ServiceError as exc:
@@ -187,11 +242,7 @@ class _AioErrorMapper(grpc.aio.ServerInterceptor):
                     await _abort_aio(context, exc)
             return call
 
-        if handler.unary_unary:
-            return handler._replace(unary_unary=wrap_unary(handler.unary_unary))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=wrap_stream(handler.unary_stream))
-        return handler
+        return _with_checked_request(handler, wrap_unary, wrap_stream)
 
 
 class _AioAuthenticator(grpc.aio.ServerInterceptor):
@@ -443,6 +494,45 @@ def env_default(name: str, default: Any) -> Any:
     return os.environ.get("GRAMSERVE_" + name.upper().replace("-", "_"), default)
 
 
+class ConstantLabels:
+    """A view of a registry that adds the same labels to every sample (a worker's `rank`:
+    the ranks of a group share a pod, so the scrape target alone does not tell them apart)."""
+
+    def __init__(self, registry, **labels: str):
+        self._registry = registry
+        self._labels = labels
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        for family in self._registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**self._labels, **s.labels})
+                           for s in family.samples]
+            yield out
+
+    def restricted_registry(self, names):
+        return ConstantLabels(self._registry.restricted_registry(names), **self._labels)
+
+
+def register_build_info(registry, component: str, **versions: str) -> None:
+    """`gramserve_build_info{component, version, python, ...versions} 1` on `registry`: which
+    build a process runs, for dashboards and alerts on mixed versions."""
+    import platform
+    from importlib import metadata
+
+    from prometheus_client import Gauge
+
+    try:
+        version = metadata.version("gramserve")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    labels = {"component": component, "version": version,
+              "python": platform.python_version(), **versions}
+    Gauge("gramserve_build_info", "The running build: gramserve and library versions.",
+          list(labels), registry=registry).labels(**labels).set(1)
+
+
 def start_metrics_server(port: int, registry, host: str = "127.0.0.1"):
     """Serve `/metrics` for `registry` on host:`port` (0 picks one); return (server, port).
     Loopback unless a host is given: metrics say a lot about the traffic.
@@ -451,7 +541,9 @@ def start_metrics_server(port: int, registry, host: str = "127.0.0.1"):
     """
     if port < 0:
         return None, -1
-    from prometheus_client import start_http_server
+    from prometheus_client import disable_created_metrics, start_http_server
+
+    disable_created_metrics()  # `_created` series double the series count for nothing
 
     server, thread = start_http_server(port, addr=host, registry=registry)
     return server, server.server_port

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 # Finish reasons, as plain strings (the server maps them to protos.FinishReason).
 STOP, LENGTH, GRAMMAR_COMPLETED, CANCELLED = "stop", "length", "grammar_completed", "cancelled"
 DEAD_END, DIVERGENCE, INTERNAL, UNAVAILABLE = "dead_end", "divergence", "internal", "unavailable"
+# Sampled ids that are no token: the row had no allowed token, or non-finite logits.
+_DEAD, _NONFINITE = -1, -2
 # gRPC's UNAVAILABLE as a number (the engine imports no grpc): a rank of the group failed.
 _UNAVAILABLE_CODE = 14
 
@@ -381,7 +383,10 @@ class Engine:
         t_sample = time.perf_counter()
         t["mask_apply"] = t_sample - t_mask
         tokens, dead = sample(logits, self._sampling_batch(rows))
-        picked = torch.where(dead, -1, tokens)                          # (R,) a dead row is -1
+        # A NaN or +inf logit among the tokens a row may take is the model's failure, not the
+        # grammar's: such a row is -2, a row with nothing allowed (a dead end) -1.
+        broken = ~(logits < float("inf")).all(dim=-1)                    # (R,) NaN or +inf
+        picked = torch.where(broken, _NONFINITE, torch.where(dead, _DEAD, tokens))  # (R,)
         # One device-to-host copy per step, started now and waited for at the commit.
         host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=picked.is_cuda)
         host.copy_(picked, non_blocking=True)
@@ -465,6 +470,11 @@ class Engine:
         if diverged:
             log.error("TP divergence on slot %d (request %s)", r.slot, req.request_id)
             return self._finish(r, DIVERGENCE, "ranks sampled different tokens")
+        if token == _NONFINITE:
+            if self.metrics is not None:
+                self.metrics.nonfinite_logits.inc()
+            return self._finish(r, INTERNAL, "the model produced NaN or infinite logits for "
+                                             "this request")
         if token < 0:
             if self.metrics is not None:
                 self.metrics.grammar_dead_ends.inc()

@@ -6,6 +6,7 @@ and its server; `main(argv)` is `gramserve worker`.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import queue
@@ -32,6 +33,7 @@ from grammar_service.default_model import resolve_model
 from grammar_service.vocab import Vocab, load_vocab
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from protos.rpc import (
+    ConstantLabels,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -39,6 +41,7 @@ from protos.rpc import (
     ServiceError,
     Unavailable,
     create_server,
+    register_build_info,
     set_serving,
     start_metrics_server,
 )
@@ -365,7 +368,8 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
     model = load_model(model_dir, tp, dtype, device)
     model.allocate_kv_cache(cfg.slots + 1, cfg.max_model_len)  # + the CUDA graphs' scratch slot
     metrics = WorkerMetrics(registry)
-    table = SlotTable(cfg.slots, is_rank0=cfg.rank == 0, admit_timeout_s=cfg.admit_timeout_s)
+    table = SlotTable(cfg.slots, is_rank0=cfg.rank == 0, admit_timeout_s=cfg.admit_timeout_s,
+                      on_expire=metrics.admit_expired.inc)
     tls_ca = open(cfg.tls_ca, "rb").read() if cfg.tls_ca else None
     grammars = WorkerGrammarCache(cfg.grammar_service, vocab, cfg.grammar_cache_bytes,
                                   metrics=metrics, tls_ca=tls_ca, tls_identity=_tls_pair(cfg))
@@ -413,7 +417,10 @@ def serve(cfg: WorkerConfig, registry: CollectorRegistry | None = None):
 
     rank.engine.on_fatal = on_fatal
     rank.engine.start()
-    start_metrics_server(cfg.metrics_port, registry, host=cfg.metrics_host)
+    register_build_info(registry, "worker", torch=torch.__version__,
+                        xgrammar=importlib.metadata.version("xgrammar"))
+    start_metrics_server(cfg.metrics_port, ConstantLabels(registry, rank=str(cfg.rank)),
+                         host=cfg.metrics_host)
     log.info("worker rank %d/%d serving on %s:%d (model %s, %s, %d slots)", cfg.rank, cfg.tp,
              cfg.host, port, rank.model_dir, rank.device, cfg.slots)
     return server, port, rank
