@@ -24,6 +24,7 @@ class GrammarServiceConfig:
     model: str = ""
     cache_dir: str = ""
     cache_bytes: int = 512 * 1024 * 1024
+    cache_dir_bytes: int = 4 * 1024 * 1024 * 1024
     metrics_port: int = -1
     compile_workers: int = 2
     compile_threads: int = 1
@@ -42,6 +43,7 @@ class GrammarServiceConfig:
             (0 <= self.port <= 65535, "--port must be in [0, 65535]"),
             (-1 <= self.metrics_port <= 65535, "--metrics-port must be -1 (off) or a port"),
             (self.cache_bytes >= 0, "--cache-bytes must be >= 0"),
+            (self.cache_dir_bytes >= 0, "--cache-dir-bytes must be >= 0"),
             (self.compile_workers >= 1, "--compile-workers must be >= 1"),
             (self.compile_threads >= 1, "--compile-threads must be >= 1"),
             (self.compile_timeout > 0, "--compile-timeout must be > 0"),
@@ -75,6 +77,10 @@ def parse_config(argv: list[str] | None = None) -> GrammarServiceConfig:
                    help="directory that keeps compiled grammars across restarts")
     p.add_argument("--cache-bytes", type=int, default=env_default("cache_bytes", d.cache_bytes),
                    help="bound on the in-memory cache, in serialized bytes")
+    p.add_argument("--cache-dir-bytes", type=int,
+                   default=env_default("cache_dir_bytes", d.cache_dir_bytes),
+                   help="bound on the files in --cache-dir, least recently used deleted "
+                        "first; 0: no bound")
     p.add_argument("--metrics-port", type=int,
                    default=env_default("metrics_port", d.metrics_port),
                    help="Prometheus /metrics port; -1 off, 0 any free port")

@@ -154,7 +154,8 @@ def create_server(config: GrammarServiceConfig, *, registry: CollectorRegistry |
                        workers=config.compile_workers, timeout_s=config.compile_timeout,
                        memory_mb=config.compile_memory_mb, threads=config.compile_threads)
     cache = GrammarCache(config.cache_bytes, metrics,
-                         Path(config.cache_dir) if config.cache_dir else None)
+                         Path(config.cache_dir) if config.cache_dir else None,
+                         disk_bytes=config.cache_dir_bytes)
     service = GrammarService(cache, pool, metrics, vocab.fingerprint, config.max_spec_bytes)
     tls = None
     if config.tls_cert:

@@ -121,6 +121,7 @@ def test_helm_mutual_tls_tokens_and_bind_flags_parse_for_every_component(chart):
     grammar = parse_config(grammar_args[1:])
     assert (grammar.tls_client_ca, grammar.metrics_host, grammar.reflection) == (
         f"{d}/ca.crt", "0.0.0.0", "off")
+    assert grammar.cache_dir_bytes == 8 * 1024**3
     # Probes of servers that require client certificates present the pod's certificate.
     probe = grammar_obj["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
     assert probe["exec"]["command"][-4:] == ["--tls-cert", f"{d}/tls.crt", "--tls-key",
