@@ -113,7 +113,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if constraint_kind(request.constraint) == "none":
             raise InvalidArgument("no constraint kind is set", field="constraint")
         validate_constraint(request.constraint)
-        ref = await self._compile(request.constraint, context.time_remaining())
+        ref = await self._compile(request.constraint, context.time_remaining(),
+                                  self.authenticate(_authorization(context)))
         return gateway_pb2.CompileGrammarResponse(
             key=ref.key, kind=ref.kind, cached=ref.cached, compile_seconds=ref.compile_seconds,
             unenforced_keywords=list(ref.unenforced_keywords), backend=ref.backend,
@@ -149,8 +150,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         kind = constraint_kind(request.constraint)
         status = "CANCELLED"  # unless the stream ends otherwise (a cancelled task is one)
         try:
-            job = await self._job(request, arrived, kind, remaining)
-            job.client = client
+            job = await self._job(request, arrived, kind, remaining, client)
             async for response in self._runner.run(job):
                 yield response
             status = "OK"
@@ -194,7 +194,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     # -- steps ----------------------------------------------------------------------------
 
-    async def _job(self, request, arrived: float, kind: str, remaining: float | None) -> Job:
+    async def _job(self, request, arrived: float, kind: str, remaining: float | None,
+                   client: str = "") -> Job:
         validate_request(request, self._limits)  # bounds the prompt's bytes first
         self._check_model(request.model)
         if prompt_bytes(request) > _INLINE_TOKENIZE_CHARS:
@@ -219,12 +220,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         compile_seconds = 0.0
         if kind != "none":
             t0 = time.monotonic()
-            ref = await self._compiled(request.constraint, remaining)
+            ref = await self._compiled(request.constraint, remaining, client)
             compile_seconds = ref.compile_seconds if ref.cached else time.monotonic() - t0
             admit.grammar_key = ref.key
             admit.grammar_backend = ref.backend
             admit.grammar.CopyFrom(request.constraint)
-        return Job(admit=admit, request_id=request_id, kind=kind, stops=stops, include_stop=include_stop,
+        return Job(admit=admit, request_id=request_id, kind=kind, stops=stops,
+                   include_stop=include_stop, client=client,
                    schema=request.constraint.json_schema if kind == "json_schema" else None,
                    arrived=arrived, compile_seconds=compile_seconds, deadline=deadline,
                    echo_prompt=request.echo_prompt_token_ids)
@@ -255,24 +257,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"the prompt is {len(prompt_ids)} tokens; the context holds {min(known)} "
                 "(prompt plus at least one generated token)", field="prompt")
 
-    async def _compiled(self, spec, remaining: float | None) -> grammar_pb2.GrammarRef:
+    async def _compiled(self, spec, remaining: float | None,
+                        client: str = "") -> grammar_pb2.GrammarRef:
         """The GrammarRef of `spec`: remembered (no round trip), or compiled and remembered."""
         blob = spec.SerializeToString(deterministic=True)
         ref = self._refs.get(blob)
         self._metrics.grammar_refs.labels("hit" if ref is not None else "miss").inc()
         if ref is None:
-            ref = await self._compile(spec, remaining)
+            ref = await self._compile(spec, remaining, client)
             remembered = grammar_pb2.GrammarRef()
             remembered.CopyFrom(ref)
             remembered.cached = True
             self._refs.put(blob, remembered)
         return ref
 
-    async def _compile(self, spec, remaining: float | None) -> grammar_pb2.GrammarRef:
+    async def _compile(self, spec, remaining: float | None,
+                       client: str = "") -> grammar_pb2.GrammarRef:
         timeout = _COMPILE_TIMEOUT if remaining is None else min(remaining, _COMPILE_TIMEOUT)
         try:
-            return await self._grammar.Compile(grammar_pb2.CompileRequest(spec=spec),
-                                               timeout=timeout)
+            return await self._grammar.Compile(
+                grammar_pb2.CompileRequest(spec=spec, client=client), timeout=timeout)
         except grpc.RpcError as exc:
             # The grammar service names its own request's field (`spec.json_schema`); our
             # caller sent it as `constraint`.

@@ -30,6 +30,10 @@ class GrammarServiceConfig:
     compile_threads: int = 1
     compile_timeout: float = 30.0
     compile_memory_mb: int = 4096
+    compile_short_workers: int = 1
+    compile_short_seconds: float = 1.0
+    compile_short_memory_mb: int = 1024
+    compile_memory_budget_mb: int = 0
     max_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES
     tls_cert: str = ""
     tls_key: str = ""
@@ -48,6 +52,10 @@ class GrammarServiceConfig:
             (self.compile_threads >= 1, "--compile-threads must be >= 1"),
             (self.compile_timeout > 0, "--compile-timeout must be > 0"),
             (self.compile_memory_mb >= 0, "--compile-memory-mb must be >= 0"),
+            (self.compile_short_workers >= 0, "--compile-short-workers must be >= 0"),
+            (self.compile_short_seconds > 0, "--compile-short-seconds must be > 0"),
+            (self.compile_short_memory_mb > 0, "--compile-short-memory-mb must be > 0"),
+            (self.compile_memory_budget_mb >= 0, "--compile-memory-budget-mb must be >= 0"),
             (self.max_spec_bytes >= 1, "--max-spec-bytes must be >= 1"),
             (bool(self.tls_cert) == bool(self.tls_key),
              "--tls-cert and --tls-key must be given together"),
@@ -95,6 +103,20 @@ def parse_config(argv: list[str] | None = None) -> GrammarServiceConfig:
     p.add_argument("--compile-memory-mb", type=int,
                    default=env_default("compile_memory_mb", d.compile_memory_mb),
                    help="memory a compile may use beyond its process's start-up size; 0: no cap")
+    p.add_argument("--compile-short-workers", type=int,
+                   default=env_default("compile_short_workers", d.compile_short_workers),
+                   help="processes every compile tries first, for --compile-short-seconds "
+                        "under --compile-short-memory-mb; one that needs more moves to the "
+                        "--compile-workers processes, so short compiles never wait for long "
+                        "ones (0: one lane)")
+    p.add_argument("--compile-short-seconds", type=float,
+                   default=env_default("compile_short_seconds", d.compile_short_seconds))
+    p.add_argument("--compile-short-memory-mb", type=int,
+                   default=env_default("compile_short_memory_mb", d.compile_short_memory_mb))
+    p.add_argument("--compile-memory-budget-mb", type=int,
+                   default=env_default("compile_memory_budget_mb", d.compile_memory_budget_mb),
+                   help="bound on the memory caps of the compiles running at once; 0: every "
+                        "process at its cap")
     p.add_argument("--max-spec-bytes", type=int,
                    default=env_default("max_spec_bytes", d.max_spec_bytes))
     p.add_argument("--tls-cert", default=env_default("tls_cert", d.tls_cert))
