@@ -218,18 +218,41 @@ class CompilePool:
                 raise _Demoted() from None
             raise
         finally:
-            if self._closed.is_set():
+            if self._closed.is_set() and child is not None:
                 child.kill()
                 child = None
             lane.queue.release(child)
 
-    def _replacement(self, lane: _Lane) -> _Child:
-        """A new process for `lane`; the short lane takes the warm spare and starts the next."""
-        if lane is self._short and self._spare is not None:
+    def _replacement(self, lane: _Lane) -> _Child | None:
+        """The short lane's warm spare, else None; a new process (for the spare's place or
+        the lane) starts on a thread of its own: starting one blocks its caller until the
+        new interpreter has read its arguments, seconds on a busy machine."""
+        with self._lock:
+            spare = self._spare if lane is self._short else None
+            if spare is not None:
+                self._spare = None
+        threading.Thread(target=self._start_child, args=(lane, spare is not None),
+                         daemon=True, name="compile-spawn").start()
+        return spare
+
+    def _start_child(self, lane: _Lane, as_spare: bool) -> None:
+        child = self._child(lane.cap_mb)
+        if self._closed.is_set():
+            child.kill()
+            return
+        if as_spare:
             with self._lock:
-                child, self._spare = self._spare, self._child(lane.cap_mb)
-            return child
-        return self._child(lane.cap_mb)
+                if self._spare is None:
+                    self._spare, child = child, None
+            if child is not None:
+                child.kill()
+            return
+        lane.queue.update(lambda: lane.idle.append(child))
+        if self._closed.is_set():  # closed meanwhile: close() may have missed this one
+            with lane.queue._cond:
+                if child in lane.idle:
+                    lane.idle.remove(child)
+                    child.kill()
 
     def close(self) -> None:
         """Stop every idle child; busy ones stop when their compile returns. Idempotent."""

@@ -91,6 +91,13 @@ class FairQueue:
             self._give(resource)
             self._cond.notify_all()
 
+    def update(self, change: Callable[[], None]) -> None:
+        """Run `change` (to the resources, e.g. a new one) under the queue's lock; wake
+        waiters."""
+        with self._cond:
+            change()
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Fail every waiting job (and later ones) with Unavailable."""
         with self._cond:

@@ -39,9 +39,11 @@ def served(vocab):
     # (replacements too), so it stays set for the module.
     old = os.environ.get(TEST_HOOKS_ENV)
     os.environ[TEST_HOOKS_ENV] = "1"
+    # One lane of compile processes: the isolation tested here is the general lane's (the
+    # short lane and its scheduling: tests/test_grammar_compile_fairness.py).
     config = GrammarServiceConfig(port=0, metrics_port=0, compile_workers=2,
                                   compile_timeout=5.0, compile_memory_mb=512,
-                                  max_spec_bytes=MAX_SPEC_BYTES)
+                                  compile_short_workers=0, max_spec_bytes=MAX_SPEC_BYTES)
     server, port, service = create_server(config, registry=CollectorRegistry(), vocab=vocab)
     address = f"127.0.0.1:{port}"
     ch = rpc.channel(address)
