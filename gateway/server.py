@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _COMPILE_TIMEOUT = 120.0
 # Prompts longer than this (UTF-8 bytes) are tokenised on a thread, off the event loop.
-_INLINE_TOKENIZE_CHARS = 4096
+_INLINE_TOKENIZE_BYTES = 4096
 _TOKENIZE_THREADS = 2
 _SPEC_FIELD = re.compile(r"(?<![\w.])spec(?=[.:\[])")
 
@@ -198,7 +198,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                    client: str = "") -> Job:
         validate_request(request, self._limits)  # bounds the prompt's bytes first
         self._check_model(request.model)
-        if prompt_bytes(request) > _INLINE_TOKENIZE_CHARS:
+        if prompt_bytes(request) > _INLINE_TOKENIZE_BYTES:
             prompt_ids = await self._tokenize_off_loop(request)
         else:
             prompt_ids = self._tokenize(request)
