@@ -229,14 +229,17 @@ def scrape(url: str) -> dict[str, float]:
     except OSError:
         return {}
     out: dict[str, float] = {}
-    for m in re.finditer(r'^(gramserve_worker_(?:step_seconds|batch_size|mask_\w+?_seconds)'
-                         r'_(?:sum|count))(?:\{phase="(\w+)"\})? (\S+)$', text, re.M):
-        key = m.group(1) + (f":{m.group(2)}" if m.group(2) else "")
-        out[key] = float(m.group(3))
-    for m in re.finditer(r'^gramserve_worker_(tokens_total\{kind="generated"\}|forced_tokens_total|'
-                         r'mask_fills_total|accept_first_total|resamples_total|'
-                         r'decode_row_forwards_total) (\S+)$', text, re.M):
-        out["counter:" + m.group(1).split("{")[0].removesuffix("_total")] = float(m.group(2))
+    for m in re.finditer(r"^(gramserve_worker_\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M):
+        name, labels, value = m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")), m.group(3)
+        if re.fullmatch(r"gramserve_worker_(step_seconds|batch_size|mask_\w+?_seconds)_(sum|count)",
+                        name):
+            out[name + (f":{labels['phase']}" if "phase" in labels else "")] = float(value)
+        elif (name in ("gramserve_worker_forced_tokens_total", "gramserve_worker_mask_fills_total",
+                       "gramserve_worker_accept_first_total", "gramserve_worker_resamples_total",
+                       "gramserve_worker_decode_row_forwards_total")
+              or (name == "gramserve_worker_tokens_total" and labels.get("kind") == "generated")):
+            key = "counter:" + name.removeprefix("gramserve_worker_").removesuffix("_total")
+            out[key] = float(value)
     return out
 
 

@@ -35,14 +35,14 @@ class Fanout:
     for a slot never waits on another choice that is not being read.
     """
 
-    def __init__(self, servicer, requests: list, timeout: float | None):
+    def __init__(self, servicer, requests: list, timeout: float | None, client: str = ""):
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(i, servicer, r, timeout))
+        self._tasks = [asyncio.create_task(self._pump(i, servicer, r, timeout, client))
                        for i, r in enumerate(requests)]
 
-    async def _pump(self, i: int, servicer, request, timeout) -> None:
+    async def _pump(self, i: int, servicer, request, timeout, client) -> None:
         try:
-            async for event in servicer.generate(request, timeout):
+            async for event in servicer.generate(request, timeout, client=client):
                 self._queue.put_nowait((i, event))
         except Exception as exc:  # the reader decides what the request's answer is
             self._queue.put_nowait((i, exc))
@@ -57,11 +57,12 @@ class Fanout:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def merged(servicer, requests: list,
-                 timeout: float | None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+async def merged(servicer, requests: list, timeout: float | None,
+                 client: str = "") -> AsyncIterator[gateway_pb2.GenerateResponse]:
     """Every choice's events with `index` set, until each has sent its Final; the first
-    failure of any choice is raised (the others are cancelled, their slots released)."""
-    fan = Fanout(servicer, requests, timeout)
+    failure of any choice is raised (the others are cancelled, their slots released).
+    `client` is the caller's identity, as GatewayServicer.generate takes it."""
+    fan = Fanout(servicer, requests, timeout, client)
     left = len(requests)
     try:
         while left:

@@ -266,12 +266,13 @@ class Stream:
 
 
 class Client:
-    """A blocking client of one gateway (`address` host:port; `tls_ca` PEM bytes for TLS).
-    `timeout` is each call's deadline in seconds. Use as a context manager or call close()."""
+    """A blocking client of one gateway (`address` host:port; `tls_ca` PEM bytes for TLS;
+    `token` the bearer token when the gateway requires one). `timeout` is each call's
+    deadline in seconds. Use as a context manager or call close()."""
 
     def __init__(self, address: str = "127.0.0.1:50051", *, tls_ca: bytes | None = None,
-                 timeout: float = 300.0, model: str = ""):
-        self._channel = channel(address, tls_ca=tls_ca)
+                 timeout: float = 300.0, model: str = "", token: str | None = None):
+        self._channel = channel(address, tls_ca=tls_ca, token=token)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self.timeout, self.model = timeout, model
 
@@ -362,8 +363,8 @@ class AsyncClient:
     AsyncStream at once). Create and use it inside one event loop; `await close()`."""
 
     def __init__(self, address: str = "127.0.0.1:50051", *, tls_ca: bytes | None = None,
-                 timeout: float = 300.0, model: str = ""):
-        self._channel = aio_channel(address, tls_ca=tls_ca)
+                 timeout: float = 300.0, model: str = "", token: str | None = None):
+        self._channel = aio_channel(address, tls_ca=tls_ca, token=token)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self.timeout, self.model = timeout, model
 

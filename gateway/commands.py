@@ -15,7 +15,8 @@ from protos.rpc import channel, check_health, env_default
 # Statuses that mean "the server refused this request" (exit 2) rather than "it failed".
 REJECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-            grpc.StatusCode.RESOURCE_EXHAUSTED}
+            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.PERMISSION_DENIED}
 _WHITESPACE = {"bounded": common_pb2.WHITESPACE_BOUNDED, "compact": common_pb2.WHITESPACE_COMPACT,
                "any": common_pb2.WHITESPACE_ANY}
 
@@ -27,6 +28,9 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
                    help="CA PEM to reach a TLS gateway (GRAMSERVE_TLS_CA)")
     p.add_argument("--timeout", type=float, default=env_default("timeout", 300.0),
                    help="deadline of each request in seconds (GRAMSERVE_TIMEOUT)")
+    p.add_argument("--token", default=env_default("token", ""),
+                   help="bearer token for a gateway started with --auth-tokens "
+                        "(GRAMSERVE_TOKEN)")
 
 
 def add_constraint_args(p: argparse.ArgumentParser) -> None:
@@ -87,7 +91,7 @@ def constraint_from_args(ns: argparse.Namespace) -> common_pb2.GrammarSpec:
 
 def _stub(ns) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:
     ca = Path(ns.tls_ca).read_bytes() if ns.tls_ca else None
-    ch = channel(ns.addr, tls_ca=ca)
+    ch = channel(ns.addr, tls_ca=ca, token=ns.token or None)
     return ch, gateway_pb2_grpc.GatewayStub(ch)
 
 

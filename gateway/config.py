@@ -52,6 +52,18 @@ class GatewayConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    # Presented to the grammar service and the workers when they require client
+    # certificates (mutual TLS); needs tls_ca.
+    tls_client_cert: str | None = None
+    tls_client_key: str | None = None
+    metrics_host: str = "127.0.0.1"
+    reflection: bool = True
+    # Bearer tokens of the public API (gateway/auth.py): a file of `TOKEN CLIENT` lines or
+    # `env:NAME`; None serves without authentication.
+    auth_tokens: str | None = None
+    client_max_streams: int = 0  # per client identity; 0: no limit
+    client_max_queued: int = 0
+    max_prompt_bytes: int = 1024 * 1024
 
     def __post_init__(self):
         if not self.grammar_service:
@@ -70,7 +82,17 @@ class GatewayConfig:
             raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
-        for name in ("tls_cert", "tls_key", "tls_ca"):
+        if (self.tls_client_cert is None) != (self.tls_client_key is None):
+            raise ValueError("--tls-client-cert and --tls-client-key go together")
+        if self.tls_client_cert is not None and self.tls_ca is None:
+            raise ValueError("--tls-client-cert needs --tls-ca (mutual TLS is TLS first)")
+        if self.client_max_streams < 0 or self.client_max_queued < 0:
+            raise ValueError("--client-max-streams and --client-max-queued must be >= 0")
+        if self.max_prompt_bytes < 1:
+            raise ValueError(f"--max-prompt-bytes must be >= 1, got {self.max_prompt_bytes}")
+        if self.auth_tokens is not None:
+            self.token_table()  # ValueError now rather than at the first request
+        for name in ("tls_cert", "tls_key", "tls_ca", "tls_client_cert", "tls_client_key"):
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"--{name.replace('_', '-')}: no such file {path!r}")
@@ -84,7 +106,25 @@ class GatewayConfig:
             http_host=ns.http_host or None, max_queue=ns.max_queue,
             metrics_port=ns.metrics_port, health_interval=ns.health_interval,
             max_request_bytes=ns.max_request_bytes, tls_cert=ns.tls_cert or None,
-            tls_key=ns.tls_key or None, tls_ca=ns.tls_ca or None)
+            tls_key=ns.tls_key or None, tls_ca=ns.tls_ca or None,
+            tls_client_cert=ns.tls_client_cert or None, tls_client_key=ns.tls_client_key or None,
+            metrics_host=ns.metrics_host, reflection=ns.reflection == "on",
+            auth_tokens=ns.auth_tokens or None, client_max_streams=ns.client_max_streams,
+            client_max_queued=ns.client_max_queued, max_prompt_bytes=ns.max_prompt_bytes)
+
+    def token_table(self):
+        """The bearer-token table (gateway.auth.TokenTable), or None when authentication is
+        off. ValueError when it cannot be read or parsed."""
+        from gateway.auth import TokenTable
+
+        return TokenTable.load(self.auth_tokens) if self.auth_tokens is not None else None
+
+    def tls_identity(self) -> tuple[bytes, bytes] | None:
+        """(certificate chain, private key) PEM presented to the grammar service and workers."""
+        if self.tls_client_cert is None:
+            return None
+        with open(self.tls_client_cert, "rb") as c, open(self.tls_client_key, "rb") as k:
+            return c.read(), k.read()
 
     def tls_pair(self) -> tuple[bytes, bytes] | None:
         """(certificate chain, private key) PEM bytes for the server, or None."""
@@ -138,3 +178,27 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=env_default("tls_ca", ""),
                    help="CA PEM for connections to the grammar service and workers "
                         "(GRAMSERVE_TLS_CA)")
+    p.add_argument("--tls-client-cert", default=env_default("tls_client_cert", ""),
+                   help="certificate chain PEM presented to the grammar service and workers "
+                        "(mutual TLS) (GRAMSERVE_TLS_CLIENT_CERT)")
+    p.add_argument("--tls-client-key", default=env_default("tls_client_key", ""),
+                   help="private key PEM of --tls-client-cert (GRAMSERVE_TLS_CLIENT_KEY)")
+    p.add_argument("--metrics-host", default=env_default("metrics_host", "127.0.0.1"),
+                   help="bind address of /metrics; loopback unless set (GRAMSERVE_METRICS_HOST)")
+    p.add_argument("--reflection", default=env_default("reflection", "on"), choices=("on", "off"),
+                   help="gRPC server reflection (GRAMSERVE_REFLECTION)")
+    p.add_argument("--auth-tokens", default=env_default("auth_tokens", ""),
+                   help="bearer tokens of the public API: a file of `TOKEN CLIENT` lines, or "
+                        "env:NAME to read them from a variable; empty: no authentication "
+                        "(GRAMSERVE_AUTH_TOKENS)")
+    p.add_argument("--client-max-streams", type=int,
+                   default=env_default("client_max_streams", 0),
+                   help="requests one client may run at once; more wait in the queue; 0 no "
+                        "limit (GRAMSERVE_CLIENT_MAX_STREAMS)")
+    p.add_argument("--client-max-queued", type=int, default=env_default("client_max_queued", 0),
+                   help="requests one client may have queued; beyond RESOURCE_EXHAUSTED; 0 no "
+                        "limit (GRAMSERVE_CLIENT_MAX_QUEUED)")
+    p.add_argument("--max-prompt-bytes", type=int,
+                   default=env_default("max_prompt_bytes", 1024 * 1024),
+                   help="largest prompt in UTF-8 bytes (prompt text, or chat messages and tools "
+                        "together), refused before tokenising (GRAMSERVE_MAX_PROMPT_BYTES)")

@@ -66,8 +66,9 @@ class _NotStarted(Exception):
 class Lease:
     """A router slot and (once admitted) a worker slot; `release` frees both, once."""
 
-    def __init__(self, router: Router, client: GroupClient, request_id: str):
+    def __init__(self, router: Router, client: GroupClient, request_id: str, caller: str = ""):
         self._router, self._client, self._request_id = router, client, request_id
+        self._caller = caller  # the client identity the router counts the slot against
         self._slot: int | None = None
         self._released = False
         self.tag: int | None = None  # rank 0's tag for the request
@@ -85,7 +86,8 @@ class Lease:
             self._client.links[0].forget(self.tag)
         if self._slot is not None:
             self._client.release_all(self._slot, self._request_id)
-        self._router.release(self._client.state, freed_worker_slot=self._slot is not None)
+        self._router.release(self._client.state, freed_worker_slot=self._slot is not None,
+                             client=self._caller)
 
 
 @dataclass
@@ -102,6 +104,7 @@ class Job:
     compile_seconds: float
     deadline: float | None  # time.monotonic()
     echo_prompt: bool = False  # return the prompt ids in the final message
+    client: str = ""  # the caller's identity (bearer token), for the per-client limits
 
 
 @dataclass
@@ -132,9 +135,11 @@ class Runner:
         retry = False
         while True:
             group = await self._router.acquire(deadline=job.deadline,
-                                               exclude=frozenset(exclude), retry=retry)
+                                               exclude=frozenset(exclude), retry=retry,
+                                               client=job.client)
             queued = time.monotonic() - job.arrived
-            lease = Lease(self._router, self._clients[group.index], job.admit.request_id)
+            lease = Lease(self._router, self._clients[group.index], job.admit.request_id,
+                          job.client)
             try:
                 async for response in self._run_on(group, lease, job, queued):
                     yield response

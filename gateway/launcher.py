@@ -44,6 +44,12 @@ class UpConfig:
     max_queue: int = 64
     cache_dir: str | None = None
     startup_timeout: float = 600.0
+    # Mutual TLS between the gateways, the workers and the grammar service, with a local
+    # development CA written into this directory (gateway/dev_tls.py).
+    tls_dir: str | None = None
+    auth_tokens: str | None = None  # the gateways' --auth-tokens
+    client_max_streams: int = 0
+    client_max_queued: int = 0
 
     def __post_init__(self):
         for name, low in (("tp", 1), ("groups", 1), ("gateways", 1), ("slots", 1)):
@@ -61,6 +67,12 @@ class UpConfig:
             raise ValueError("--max-model-len and --max-queue must be >= 0")
         if self.startup_timeout <= 0:
             raise ValueError("--startup-timeout must be > 0")
+        if self.client_max_streams < 0 or self.client_max_queued < 0:
+            raise ValueError("--client-max-streams and --client-max-queued must be >= 0")
+        if self.auth_tokens is not None:
+            from gateway.auth import TokenTable
+
+            TokenTable.load(self.auth_tokens)  # ValueError names the file and line
 
 
 def up_parser(p: argparse.ArgumentParser) -> None:
@@ -92,6 +104,18 @@ def up_parser(p: argparse.ArgumentParser) -> None:
                    help="grammar cache directory; empty: memory only (GRAMSERVE_CACHE_DIR)")
     p.add_argument("--startup-timeout", type=float, default=env_default("startup_timeout", 600.0),
                    help="seconds to wait for every service to be SERVING")
+    p.add_argument("--tls-dir", default=env_default("tls_dir", ""),
+                   help="mutual TLS between gateway, workers and grammar service, with a "
+                        "development CA and certificate written to (or reused from) this "
+                        "directory (GRAMSERVE_TLS_DIR)")
+    p.add_argument("--auth-tokens", default=env_default("auth_tokens", ""),
+                   help="bearer tokens of the public API: a file of `TOKEN CLIENT` lines or "
+                        "env:NAME (GRAMSERVE_AUTH_TOKENS)")
+    p.add_argument("--client-max-streams", type=int,
+                   default=env_default("client_max_streams", 0),
+                   help="requests one client may run at once; 0 no limit")
+    p.add_argument("--client-max-queued", type=int, default=env_default("client_max_queued", 0),
+                   help="requests one client may have queued; 0 no limit")
 
 
 def _port_free(port: int) -> bool:
@@ -128,6 +152,7 @@ class System:
         self.gateway_ready: list[str] = []  # each gateway's /metrics answers once it serves
         self.http_url: str | None = None
         self.stopping = threading.Event()
+        self.tls = None  # gateway.dev_tls.DevTls under --tls-dir
 
     def _say(self, msg: str) -> None:
         print(msg, file=self.out, flush=True)
@@ -159,12 +184,22 @@ class System:
                 return free_ports(n, taken)
             return c.metrics_port + offset
 
+        server_tls, worker_tls, gateway_tls = [], [], []
+        if c.tls_dir:
+            from gateway.dev_tls import ensure_dev_tls
+
+            self.tls = t = ensure_dev_tls(c.tls_dir)
+            server_tls = ["--tls-cert", str(t.cert), "--tls-key", str(t.key),
+                          "--tls-client-ca", str(t.ca)]
+            worker_tls = [*server_tls, "--tls-ca", str(t.ca)]
+            gateway_tls = ["--tls-ca", str(t.ca), "--tls-client-cert", str(t.cert),
+                           "--tls-client-key", str(t.key)]
         grammar = f"{_HOST}:{free_ports(1, taken)}"
         g_metrics = metrics(1, 0)
         self._spawn("grammar-service", [
             "grammar_service", "--host", _HOST, "--port", grammar.rsplit(":", 1)[1],
             "--model", model_dir, "--metrics-port", str(g_metrics),
-            *(["--cache-dir", c.cache_dir] if c.cache_dir else [])])
+            *(["--cache-dir", c.cache_dir] if c.cache_dir else []), *server_tls])
         self.addresses["grammar-service"] = [grammar]
         self._metrics_url("grammar-service", g_metrics)
         gw_metrics = metrics(c.gateways, 1)
@@ -178,7 +213,8 @@ class System:
                 "gpu_worker.launch", "--tp", str(c.tp), "--host", _HOST, "--port", str(base),
                 "--dist-port", str(dist), "--metrics-port", str(w_metrics), "--model", model_dir,
                 "--grammar-service", grammar, "--device", c.device, "--slots", str(c.slots),
-                *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])])
+                *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
+                *worker_tls])
             self.addresses[f"group{g}"] = ranks
             for r in range(c.tp):
                 self._metrics_url(f"group{g} rank {r}", w_metrics + r if w_metrics >= 0 else -1)
@@ -190,7 +226,10 @@ class System:
             self._spawn(name, [
                 "gateway", "--host", _HOST, "--port", str(gw_port), "--grammar-service", grammar,
                 *group_flags, "--model", model_dir, "--metrics-port", str(port),
-                "--max-queue", str(c.max_queue), "--http-port", str(http_port)])
+                "--max-queue", str(c.max_queue), "--http-port", str(http_port), *gateway_tls,
+                *(["--auth-tokens", c.auth_tokens] if c.auth_tokens else []),
+                "--client-max-streams", str(c.client_max_streams),
+                "--client-max-queued", str(c.client_max_queued)])
             self._metrics_url(name, port)
             if c.gateways > 1 and port >= 0:
                 self.gateway_ready.append(f"http://{_HOST}:{port}/metrics")
@@ -224,9 +263,18 @@ class System:
                 raise RuntimeError(f"not serving after {self.config.startup_timeout:.0f} s: "
                                    + ", ".join(pending))
             pending = [a for a in pending if not (_answers(a) if a.startswith("http://")
-                                                  else check_health(a, timeout=1.0))]
+                                                  else self._serving(a))]
             if pending:
                 time.sleep(0.5)
+
+    def _serving(self, address: str) -> bool:
+        internal = self.tls is not None and address not in self.addresses["gateway"]
+        if not internal:
+            return check_health(address, timeout=1.0)
+        with open(self.tls.ca, "rb") as ca, open(self.tls.cert, "rb") as c, \
+                open(self.tls.key, "rb") as k:
+            return check_health(address, timeout=1.0, tls_ca=ca.read(),
+                                tls_identity=(c.read(), k.read()))
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM every child's process group (gateway first), then SIGKILL stragglers."""
@@ -270,7 +318,9 @@ def up_main(ns: argparse.Namespace) -> int:
             device=ns.device, port=ns.port, http_port=ns.http_port,
             metrics_port=ns.metrics_port,
             max_model_len=ns.max_model_len, max_queue=ns.max_queue,
-            cache_dir=ns.cache_dir or None, startup_timeout=ns.startup_timeout)
+            cache_dir=ns.cache_dir or None, startup_timeout=ns.startup_timeout,
+            tls_dir=ns.tls_dir or None, auth_tokens=ns.auth_tokens or None,
+            client_max_streams=ns.client_max_streams, client_max_queued=ns.client_max_queued)
     except ValueError as exc:
         print(f"gramserve up: {exc}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ import numpy as np
 
 from gateway.commands import add_connection_args
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
-from protos.rpc import CHANNEL_OPTIONS
+from protos.rpc import CHANNEL_OPTIONS, AioBearerInterceptor
 
 # Bounded strings and numbers, so that even a random-weight model finishes them.
 BUILTIN_SCHEMAS = (
@@ -178,8 +178,10 @@ def _channels(ns, streams: int) -> list[grpc.aio.Channel]:
     creds = (grpc.ssl_channel_credentials(Path(ns.tls_ca).read_bytes())
              if ns.tls_ca else None)
     n = max(1, -(-streams // ns.streams_per_connection))
-    return [grpc.aio.secure_channel(ns.addr, creds, options) if creds
-            else grpc.aio.insecure_channel(ns.addr, options) for _ in range(n)]
+    interceptors = [AioBearerInterceptor(ns.token)] if ns.token else None
+    return [grpc.aio.secure_channel(ns.addr, creds, options, interceptors=interceptors) if creds
+            else grpc.aio.insecure_channel(ns.addr, options, interceptors=interceptors)
+            for _ in range(n)]
 
 
 async def _drive(ns, stubs, schemas, indices, streams: int, deadline: float | None,

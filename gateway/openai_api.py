@@ -37,13 +37,13 @@ from gateway import openai_responses as orsp
 from gateway import openai_translate as ot
 from gateway.choices import Fanout
 from protos import gateway_pb2
-from protos.rpc import ServiceError
+from protos.rpc import ServiceError, public_message
 
 log = logging.getLogger(__name__)
 
 
 def _error_response(err: ot.OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _as_openai(exc: BaseException, plan: ot.Plan | None) -> ot.OpenAIError:
@@ -52,7 +52,7 @@ def _as_openai(exc: BaseException, plan: ot.Plan | None) -> ot.OpenAIError:
     if isinstance(exc, ServiceError):
         return orsp.from_service_error(exc, plan)
     log.error("unhandled error in an HTTP request", exc_info=exc)
-    return ot.OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}",
+    return ot.OpenAIError(500, public_message(f"internal error: {type(exc).__name__}: {exc}"),
                           type="server_error", code="internal_error")
 
 
@@ -183,8 +183,9 @@ async def _stream_body(fan: Fanout, writer: _ChatStream, buffered: list) -> Asyn
 
 
 def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
-    """The FastAPI application over a GatewayServicer (its `generate`, `model_info`, `ready`,
-    `limits`)."""
+    """The FastAPI application over a GatewayServicer (its `authenticate`, `generate`,
+    `model_info`, `ready`, `limits`). `/v1/*` takes `Authorization: Bearer TOKEN` when the
+    gateway has tokens (401 without a valid one); `/health` and `/ready` stay open for probes."""
     app = FastAPI(title="gramserve", description="OpenAI-compatible API of gramserve",
                   docs_url=None, redoc_url=None)
 
@@ -206,7 +207,11 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
                                               code="no_healthy_group"))
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        try:
+            servicer.authenticate(request.headers.get("authorization"))
+        except ServiceError as exc:
+            return _error_response(_as_openai(exc, None))
         info = servicer.model_info()
         return {"object": "list", "data": [{
             "id": info.id, "object": "model", "created": 0, "owned_by": "gramserve",
@@ -215,6 +220,7 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
     async def run(request: Request, translate, writer_cls, choice) -> object:
         plan = None
         try:
+            client = servicer.authenticate(request.headers.get("authorization"))
             raw = await request.body()
             if len(raw) > max_request_bytes:
                 raise ot.bad(None, f"the request body is {len(raw)} bytes; the limit is "
@@ -225,7 +231,7 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
                 raise ot.bad(None, f"the request body is not JSON: {exc}") from None
             plan = translate(body, servicer.limits)
             model = servicer.model_info().id
-            fan = Fanout(servicer, plan.requests, plan.timeout)
+            fan = Fanout(servicer, plan.requests, plan.timeout, client)
         except Exception as exc:
             return _error_response(_as_openai(exc, plan))
         created = int(time.time())

@@ -27,6 +27,7 @@ _STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
     grpc.StatusCode.CANCELLED: (499, "cancelled", "cancelled"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
 }
 
 
@@ -45,9 +46,14 @@ def from_service_error(exc: ServiceError, plan: Plan | None) -> OpenAIError:
     if exc.code == grpc.StatusCode.UNAVAILABLE and "no healthy worker group" in message:
         code = "no_healthy_group"
     if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED):
+                    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAUTHENTICATED):
         param = None
-    return OpenAIError(status, message, type=kind, param=param, code=code)
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    if exc.code == grpc.StatusCode.UNAUTHENTICATED:
+        headers["WWW-Authenticate"] = "Bearer"
+    return OpenAIError(status, message, type=kind, param=param, code=code, headers=headers)
 
 
 # -- responses ----------------------------------------------------------------------------

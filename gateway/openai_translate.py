@@ -56,10 +56,12 @@ class OpenAIError(Exception):
     """An error as an OpenAI error object with its HTTP status."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type, param, code)
+        self.headers = headers or {}  # e.g. Retry-After, WWW-Authenticate
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -4,6 +4,11 @@ Plain Python and asyncio (no grpc, no torch). Free slots are tracked from this g
 bookkeeping plus each group's Info; other gateways may share a group, so a group that
 answers RESOURCE_EXHAUSTED is treated as full until one of our requests leaves it or
 `backoff_seconds` pass.
+
+Per-client limits (a client is the identity its bearer token names, gateway/auth.py; "" when
+authentication is off): at most `client_streams` requests of one client hold slots at once
+(more wait in the queue, and other clients' requests pass them), and at most `client_queued`
+of them wait; beyond that RESOURCE_EXHAUSTED with a retry hint. 0 means no limit.
 """
 
 from __future__ import annotations
@@ -15,6 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protos.rpc import DeadlineExceeded, ResourceExhausted, Unavailable
+
+# Seconds a refused client is told to wait before retrying (RESOURCE_EXHAUSTED).
+RETRY_AFTER_SECONDS = 1.0
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One queued request: its wake-up event and its client."""
+
+    client: str
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -48,50 +64,61 @@ class Router:
     """
 
     def __init__(self, groups: list[GroupState], max_queue: int, *,
-                 backoff_seconds: float = 0.05,
+                 backoff_seconds: float = 0.05, client_streams: int = 0,
+                 client_queued: int = 0,
                  on_change: Callable[[int, int, int], None] | None = None):
         self.groups = groups
         self.max_queue = max_queue
         self.backoff_seconds = backoff_seconds
-        self._queue: deque[asyncio.Event] = deque()  # one wake-up event per waiter, FIFO
+        self.client_streams = client_streams
+        self.client_queued = client_queued
+        self._queue: deque[_Waiter] = deque()  # FIFO
+        self._running: dict[str, int] = {}  # client -> router slots held
+        self._waiting: dict[str, int] = {}  # client -> requests queued
         self._on_change = on_change or (lambda *_: None)
 
     # -- requests -------------------------------------------------------------------------
 
     async def acquire(self, *, deadline: float | None = None,
-                      exclude: frozenset[int] = frozenset(), retry: bool = False) -> GroupState:
+                      exclude: frozenset[int] = frozenset(), retry: bool = False,
+                      client: str = "") -> GroupState:
         """Take a slot in the least-loaded healthy group, waiting in FIFO order if needed.
 
         `deadline` is a time.monotonic() value. `exclude` lists group indices not to use
         (they already failed this request). `retry` requests (sent back by a worker that
-        was full) skip the queue bound. Counts the slot as in use; give it back with
-        `release`. Raises ResourceExhausted (queue full), Unavailable (no healthy group) or
-        DeadlineExceeded; a cancelled caller leaves the queue.
+        was full) skip the queue bounds. `client` is the caller's identity for the
+        per-client limits. Counts the slot as in use; give it back with `release` (same
+        client). Raises ResourceExhausted (queue full, or this client's share of it, with a
+        retry hint), Unavailable (no healthy group) or DeadlineExceeded; a cancelled caller
+        leaves the queue.
         """
-        group = self._pick(exclude) if not self._queue else None
-        if group is not None:
-            return self._take(group)
+        if self._next_waiter() is None and self._under_stream_limit(client):
+            group = self._pick(exclude)
+            if group is not None:
+                return self._take(group, client)
         self._check_available(exclude)
-        if len(self._queue) >= self.max_queue and not retry:
-            raise ResourceExhausted(
-                f"every slot is busy and {len(self._queue)} requests are queued "
-                f"(--max-queue {self.max_queue}); retry later")
-        wake = asyncio.Event()
-        self._queue.append(wake)
+        if not retry:
+            self._check_queue_room(client)
+        waiter = _Waiter(client)
+        self._queue.append(waiter)
+        self._waiting[client] = self._waiting.get(client, 0) + 1
         self._changed()
         try:
-            return await self._wait(wake, deadline, exclude)
+            return await self._wait(waiter, deadline, exclude)
         finally:
-            self._queue.remove(wake)
+            self._queue.remove(waiter)
+            self._count(self._waiting, client, -1)
             self._changed()
             self._wake_all()
 
-    def release(self, group: GroupState, freed_worker_slot: bool = True) -> None:
-        """Give back a slot taken with `acquire`; wakes the queue.
+    def release(self, group: GroupState, freed_worker_slot: bool = True,
+                client: str = "") -> None:
+        """Give back a slot taken with `acquire` by `client`; wakes the queue.
 
         `freed_worker_slot`: the request had held a worker slot, so the group has room
         again even if it had answered RESOURCE_EXHAUSTED.
         """
+        self._count(self._running, client, -1)
         group.in_use -= 1
         if freed_worker_slot:
             group.full_until = 0.0
@@ -132,10 +159,39 @@ class Router:
             return None
         return min(candidates, key=lambda g: (g.in_use / g.num_slots, g.in_use, g.index))
 
-    def _take(self, group: GroupState) -> GroupState:
+    def _take(self, group: GroupState, client: str) -> GroupState:
         group.in_use += 1
+        self._count(self._running, client, 1)
         self._changed()
         return group
+
+    @staticmethod
+    def _count(counts: dict[str, int], client: str, delta: int) -> None:
+        counts[client] = counts.get(client, 0) + delta
+        if counts[client] <= 0:  # bounded by the clients with requests in the gateway
+            del counts[client]
+
+    def _under_stream_limit(self, client: str) -> bool:
+        return not self.client_streams or self._running.get(client, 0) < self.client_streams
+
+    def _next_waiter(self) -> _Waiter | None:
+        """The first waiter whose client may start another request (FIFO among those)."""
+        for waiter in self._queue:
+            if self._under_stream_limit(waiter.client):
+                return waiter
+        return None
+
+    def _check_queue_room(self, client: str) -> None:
+        hint = f"; retry after {RETRY_AFTER_SECONDS:g} s"
+        if len(self._queue) >= self.max_queue:
+            raise ResourceExhausted(
+                f"every slot is busy and {len(self._queue)} requests are queued "
+                f"(--max-queue {self.max_queue}){hint}", retry_after=RETRY_AFTER_SECONDS)
+        if self.client_queued and self._waiting.get(client, 0) >= self.client_queued:
+            raise ResourceExhausted(
+                f"client {client or '(anonymous)'} has {self._running.get(client, 0)} requests "
+                f"running and {self._waiting[client]} queued (--client-max-queued "
+                f"{self.client_queued}){hint}", retry_after=RETRY_AFTER_SECONDS)
 
     def _check_available(self, exclude: frozenset[int]) -> None:
         if not any(g.healthy and g.index not in exclude for g in self.groups):
@@ -143,13 +199,14 @@ class Router:
                             if not g.healthy) or "every group already failed this request"
             raise Unavailable(f"no healthy worker group ({bad})")
 
-    async def _wait(self, wake: asyncio.Event, deadline, exclude) -> GroupState:
+    async def _wait(self, waiter: _Waiter, deadline, exclude) -> GroupState:
+        wake = waiter.wake
         while True:
             wake.clear()
-            if self._queue[0] is wake:
+            if self._next_waiter() is waiter:
                 group = self._pick(exclude)
                 if group is not None:
-                    return self._take(group)
+                    return self._take(group, waiter.client)
             self._check_available(exclude)
             # Woken by releases and health changes; the short timeout covers backoffs ending.
             timeout = self.backoff_seconds
@@ -164,8 +221,8 @@ class Router:
                 pass
 
     def _wake_all(self) -> None:
-        for wake in self._queue:
-            wake.set()
+        for waiter in self._queue:
+            waiter.wake.set()
 
     def _changed(self) -> None:
         self._on_change(len(self._queue), sum(g.in_use for g in self.groups),

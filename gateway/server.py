@@ -13,18 +13,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import secrets
 import signal
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry
 
+from gateway import auth
 from gateway.chat import chat_prompt_ids, parse_tools
 from gateway.choices import MAX_N, choice_requests, merged
 from gateway.config import GatewayConfig, add_gateway_args
@@ -37,6 +40,7 @@ from gateway.validation import (
     Limits,
     check_output_against_schema,
     constraint_kind,
+    prompt_bytes,
     validate_constraint,
     validate_request,
 )
@@ -48,8 +52,10 @@ from protos.rpc import (
     InvalidArgument,
     NotFound,
     ServiceError,
+    Unauthenticated,
     aio_channel,
     create_aio_server,
+    register_build_info,
     set_serving_aio,
     start_metrics_server,
 )
@@ -58,8 +64,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _COMPILE_TIMEOUT = 120.0
-# Prompts longer than this are tokenised on a thread, off the event loop.
-_INLINE_TOKENIZE_CHARS = 4096
+# Prompts longer than this (UTF-8 bytes) are tokenised on a thread, off the event loop.
+_INLINE_TOKENIZE_BYTES = 4096
+_TOKENIZE_THREADS = 2
+_SPEC_FIELD = re.compile(r"(?<![\w.])spec(?=[.:\[])")
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -74,10 +82,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._runner = runner
         self._metrics = metrics
         self._limits = Limits(vocab_size=vocab.vocab_size,
-                              max_request_bytes=config.max_request_bytes)
-        self._grammar_channel = aio_channel(config.grammar_service, tls_ca=config.ca_bytes())
+                              max_request_bytes=config.max_request_bytes,
+                              max_prompt_bytes=config.max_prompt_bytes)
+        self._tokens = config.token_table()
+        self._grammar_channel = aio_channel(config.grammar_service, tls_ca=config.ca_bytes(),
+                                            tls_identity=config.tls_identity())
         self._grammar = grammar_pb2_grpc.GrammarServiceStub(self._grammar_channel)
         self._refs = GrammarRefs()
+        self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
     # -- rpcs -----------------------------------------------------------------------------
 
@@ -86,12 +98,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not 0 <= request.n <= MAX_N:
             raise InvalidArgument(f"must be 1 to {MAX_N} (0 means 1), got {request.n}",
                                   field="n")
+        client = self.authenticate(_authorization(context))
         if request.n > 1:
             choices = choice_requests(request, request.n)
-            async for response in merged(self, choices, context.time_remaining()):
+            async for response in merged(self, choices, context.time_remaining(), client):
                 yield response
             return
-        async for response in self.generate(request, context.time_remaining(), arrived):
+        async for response in self.generate(request, context.time_remaining(), arrived,
+                                            client):
             yield response
 
     async def CompileGrammar(self, request, context):
@@ -99,7 +113,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if constraint_kind(request.constraint) == "none":
             raise InvalidArgument("no constraint kind is set", field="constraint")
         validate_constraint(request.constraint)
-        ref = await self._compile(request.constraint, context.time_remaining())
+        ref = await self._compile(request.constraint, context.time_remaining(),
+                                  self.authenticate(_authorization(context)))
         return gateway_pb2.CompileGrammarResponse(
             key=ref.key, kind=ref.kind, cached=ref.cached, compile_seconds=ref.compile_seconds,
             unenforced_keywords=list(ref.unenforced_keywords), backend=ref.backend,
@@ -110,11 +125,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     # -- the API both fronts share (gRPC above, HTTP in gateway/openai_api.py) ----------------
 
+    def authenticate(self, authorization: str | None) -> str:
+        """The client identity of an `authorization` value (gRPC metadata or HTTP header):
+        the name its bearer token maps to, or "" when authentication is off. Raises
+        Unauthenticated without a valid token."""
+        if self._tokens is None:
+            return ""
+        try:
+            return self._tokens.authenticate(authorization)
+        except auth.Unauthenticated as exc:
+            raise Unauthenticated(str(exc)) from None
+
     async def generate(self, request: gateway_pb2.GenerateRequest, remaining: float | None,
-                       arrived: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+                       arrived: float | None = None,
+                       client: str = "") -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Validate, tokenise, compile and run one request: its deltas, then its final.
 
         `remaining` is the caller's deadline in seconds from `arrived` (None: no deadline).
+        `client` is the caller's identity (`authenticate`), for the per-client limits.
         Raises ServiceError (InvalidArgument naming the field, NotFound for another model,
         ResourceExhausted, Unavailable, DeadlineExceeded); counts the request's metrics.
         """
@@ -122,7 +150,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         kind = constraint_kind(request.constraint)
         status = "CANCELLED"  # unless the stream ends otherwise (a cancelled task is one)
         try:
-            job = await self._job(request, arrived, kind, remaining)
+            job = await self._job(request, arrived, kind, remaining, client)
             async for response in self._runner.run(job):
                 yield response
             status = "OK"
@@ -162,15 +190,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def close(self) -> None:
         await self._grammar_channel.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- steps ----------------------------------------------------------------------------
 
-    async def _job(self, request, arrived: float, kind: str, remaining: float | None) -> Job:
-        validate_request(request, self._limits)
+    async def _job(self, request, arrived: float, kind: str, remaining: float | None,
+                   client: str = "") -> Job:
+        validate_request(request, self._limits)  # bounds the prompt's bytes first
         self._check_model(request.model)
-        if len(request.prompt) + sum(len(m.content) for m in request.messages) \
-                + len(request.tools_json) > _INLINE_TOKENIZE_CHARS:
-            prompt_ids = await asyncio.to_thread(self._tokenize, request)
+        if prompt_bytes(request) > _INLINE_TOKENIZE_BYTES:
+            prompt_ids = await self._tokenize_off_loop(request)
         else:
             prompt_ids = self._tokenize(request)
         self._check_length(prompt_ids)
@@ -191,12 +220,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         compile_seconds = 0.0
         if kind != "none":
             t0 = time.monotonic()
-            ref = await self._compiled(request.constraint, remaining)
+            ref = await self._compiled(request.constraint, remaining, client)
             compile_seconds = ref.compile_seconds if ref.cached else time.monotonic() - t0
             admit.grammar_key = ref.key
             admit.grammar_backend = ref.backend
             admit.grammar.CopyFrom(request.constraint)
-        return Job(admit=admit, request_id=request_id, kind=kind, stops=stops, include_stop=include_stop,
+        return Job(admit=admit, request_id=request_id, kind=kind, stops=stops,
+                   include_stop=include_stop, client=client,
                    schema=request.constraint.json_schema if kind == "json_schema" else None,
                    arrived=arrived, compile_seconds=compile_seconds, deadline=deadline,
                    echo_prompt=request.echo_prompt_token_ids)
@@ -205,6 +235,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if model and model != self._model_id:
             raise NotFound(f"unknown model {model!r}; this gateway serves {self._model_id!r}",
                            field="model")
+
+    async def _tokenize_off_loop(self, request) -> list[int]:
+        """Tokenise a long prompt on the tokeniser threads: the event loop keeps serving
+        every other request meanwhile (the Rust tokenizer releases the GIL), and at most
+        `_TOKENIZE_THREADS` long prompts tokenise at once."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, self._tokenize, request)
 
     def _tokenize(self, request) -> list[int]:
         if request.prompt_token_ids:
@@ -220,26 +257,39 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"the prompt is {len(prompt_ids)} tokens; the context holds {min(known)} "
                 "(prompt plus at least one generated token)", field="prompt")
 
-    async def _compiled(self, spec, remaining: float | None) -> grammar_pb2.GrammarRef:
+    async def _compiled(self, spec, remaining: float | None,
+                        client: str = "") -> grammar_pb2.GrammarRef:
         """The GrammarRef of `spec`: remembered (no round trip), or compiled and remembered."""
         blob = spec.SerializeToString(deterministic=True)
         ref = self._refs.get(blob)
         self._metrics.grammar_refs.labels("hit" if ref is not None else "miss").inc()
         if ref is None:
-            ref = await self._compile(spec, remaining)
+            ref = await self._compile(spec, remaining, client)
             remembered = grammar_pb2.GrammarRef()
             remembered.CopyFrom(ref)
             remembered.cached = True
             self._refs.put(blob, remembered)
         return ref
 
-    async def _compile(self, spec, remaining: float | None) -> grammar_pb2.GrammarRef:
+    async def _compile(self, spec, remaining: float | None,
+                       client: str = "") -> grammar_pb2.GrammarRef:
         timeout = _COMPILE_TIMEOUT if remaining is None else min(remaining, _COMPILE_TIMEOUT)
         try:
-            return await self._grammar.Compile(grammar_pb2.CompileRequest(spec=spec),
-                                               timeout=timeout)
+            return await self._grammar.Compile(
+                grammar_pb2.CompileRequest(spec=spec, client=client), timeout=timeout)
         except grpc.RpcError as exc:
-            raise service_error(exc.code(), exc.details(), "grammar service") from None
+            # The grammar service names its own request's field (`spec.json_schema`); our
+            # caller sent it as `constraint`.
+            details = _SPEC_FIELD.sub("constraint", exc.details() or "")
+            raise service_error(exc.code(), details, "grammar service") from None
+
+
+def _authorization(context) -> str | None:
+    """The `authorization` metadata of a call, or None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return None
 
 
 @dataclass
@@ -276,6 +326,7 @@ class Gateway:
 
 async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Gateway) -> None:
     metrics = GatewayMetrics(registry)
+    register_build_info(registry, "gateway")
     model_dir = resolve_model(config.model)
     vocab = load_vocab(model_dir)
     states = [GroupState(index=i, addresses=g) for i, g in enumerate(config.groups)]
@@ -291,8 +342,9 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
             asyncio.get_running_loop().create_task(
                 set_serving_aio(health_ref[0], [SERVICE_NAME], healthy > 0))
 
-    router = Router(states, config.max_queue, on_change=on_change)
-    clients = [GroupClient(s, config.ca_bytes()) for s in states]
+    router = Router(states, config.max_queue, client_streams=config.client_max_streams,
+                    client_queued=config.client_max_queued, on_change=on_change)
+    clients = [GroupClient(s, config.ca_bytes(), config.tls_identity()) for s in states]
     monitor = HealthMonitor(router, clients, vocab.fingerprint, config.health_interval)
     runner = Runner(router, clients, vocab.token_bytes, metrics, monitor.poke,
                     check_output_against_schema)
@@ -310,7 +362,9 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
     await monitor.start()
     server, port, health = await create_aio_server(
         [(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)],
-        host=config.host, port=config.port, tls=config.tls_pair())
+        host=config.host, port=config.port, tls=config.tls_pair(),
+        reflection=config.reflection,
+        authenticate=servicer.authenticate if config.auth_tokens is not None else None)
     health_ref.append(health)
     serving[:] = [bool(router.healthy_groups())]
     await set_serving_aio(health, [SERVICE_NAME], serving[0])
@@ -339,7 +393,8 @@ def create_server(config: GatewayConfig, registry: CollectorRegistry | None = No
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         raise
-    metrics_server, gateway.metrics_port = start_metrics_server(config.metrics_port, registry)
+    metrics_server, gateway.metrics_port = start_metrics_server(config.metrics_port, registry,
+                                                                host=config.metrics_host)
     gateway._parts["metrics_server"] = metrics_server
     return gateway
 

@@ -19,6 +19,7 @@ class Limits:
 
     vocab_size: int
     max_request_bytes: int = 4 * 1024 * 1024
+    max_prompt_bytes: int = 1024 * 1024
     max_request_id_chars: int = 128
     max_messages: int = 1024
 
@@ -26,6 +27,15 @@ class Limits:
 def constraint_kind(spec: common_pb2.GrammarSpec) -> str:
     """The constraint's kind ("json_schema", "regex", ...) or "none" when unguided."""
     return spec.WhichOneof("kind") or "none"
+
+
+def prompt_bytes(req: gateway_pb2.GenerateRequest) -> int:
+    """UTF-8 bytes of what will be tokenised: the prompt text, or every chat message's role
+    and content plus the tools JSON."""
+    if req.HasField("prompt"):
+        return len(req.prompt.encode())
+    return (sum(len(m.role.encode()) + len(m.content.encode()) for m in req.messages)
+            + len(req.tools_json.encode()))
 
 
 def validate_request(req: gateway_pb2.GenerateRequest, limits: Limits) -> None:
@@ -56,6 +66,12 @@ def _validate_prompt(req: gateway_pb2.GenerateRequest, limits: Limits) -> None:
             field="prompt")
     if forms[0] == "prompt" and not req.prompt:
         raise InvalidArgument("must not be empty", field="prompt")
+    size = prompt_bytes(req)
+    if size > limits.max_prompt_bytes:
+        raise InvalidArgument(
+            f"is {size} bytes of UTF-8; the limit is {limits.max_prompt_bytes} "
+            "(--max-prompt-bytes), checked before tokenising",
+            field="prompt" if forms[0] == "prompt" else "messages")
     for i, tok in enumerate(req.prompt_token_ids):
         if tok >= limits.vocab_size:
             raise InvalidArgument(

@@ -162,9 +162,11 @@ class RankLink:
 class GroupClient:
     """Channels, health stubs and Session links for every rank of one group."""
 
-    def __init__(self, state: GroupState, tls_ca: bytes | None):
+    def __init__(self, state: GroupState, tls_ca: bytes | None,
+                 tls_identity: tuple[bytes, bytes] | None = None):
         self.state = state
-        self._channels = [aio_channel(a, tls_ca=tls_ca) for a in state.addresses]
+        self._channels = [aio_channel(a, tls_ca=tls_ca, tls_identity=tls_identity)
+                          for a in state.addresses]
         self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
         self.links = [RankLink(stub, f"{state.name} rank {r}") for r, stub in enumerate(self.stubs)]

@@ -39,6 +39,9 @@ class WorkerConfig:
     tls_cert: str
     tls_key: str
     tls_ca: str
+    tls_client_ca: str = ""
+    metrics_host: str = "127.0.0.1"
+    reflection: str = "on"
 
     def __post_init__(self):
         checks = [
@@ -58,6 +61,9 @@ class WorkerConfig:
             (self.mask_fill_threads >= 0, "mask-fill-threads", "must be >= 0"),
             (self.grammar_cache_bytes > 0, "grammar-cache-bytes", "must be > 0"),
             (bool(self.tls_cert) == bool(self.tls_key), "tls-cert", "needs --tls-key (and back)"),
+            (not self.tls_client_ca or bool(self.tls_cert), "tls-client-ca",
+             "needs --tls-cert and --tls-key (mutual TLS is TLS first)"),
+            (self.reflection in ("on", "off"), "reflection", "must be on or off"),
         ]
         for ok, flag, why in checks:
             if not ok:
@@ -133,5 +139,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", default=e("tls_cert", ""), help="server certificate PEM file")
     p.add_argument("--tls-key", default=e("tls_key", ""), help="server private key PEM file")
     p.add_argument("--tls-ca", default=e("tls_ca", ""),
-                   help="CA PEM file for the connection to the grammar service")
+                   help="CA PEM file for the connection to the grammar service (this rank "
+                        "presents --tls-cert/--tls-key to it, for mutual TLS)")
+    p.add_argument("--tls-client-ca", default=e("tls_client_ca", ""),
+                   help="CA PEM file client certificates must be signed by: mutual TLS, "
+                        "plaintext and other certificates refused")
+    p.add_argument("--metrics-host", default=e("metrics_host", "127.0.0.1"),
+                   help="bind address of /metrics (loopback unless set)")
+    p.add_argument("--reflection", default=e("reflection", "on"), choices=("on", "off"),
+                   help="gRPC server reflection")
     return p

@@ -68,6 +68,10 @@ class WorkerMetrics:
         self.grammar_dead_ends = Counter(
             "gramserve_worker_grammar_dead_ends_total",
             "Guided requests failed because the grammar allowed no token.", registry=registry)
+        self.nonfinite_logits = Counter(
+            "gramserve_worker_nonfinite_logits_total",
+            "Requests failed because the model gave NaN or infinite logits among the tokens "
+            "they could take.", registry=registry)
         self.grammar_cache_hits = Counter(
             "gramserve_worker_grammar_cache_hits_total",
             "Compiled grammars found in the worker's local cache.", registry=registry)

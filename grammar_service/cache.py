@@ -12,7 +12,9 @@ rename) in this layout:
     \nEND <sha256 hex of the payload>\n
 
 A file whose header, length, trailer or checksum does not match is deleted and treated as a
-miss, never served. The directory is not bounded by `capacity_bytes` (memory only).
+miss, never served (the caller recompiles). The directory is bounded too, by `disk_bytes`:
+the least recently used files go first; recency survives a restart as file modification
+times (a file read back is touched), so a restarted service keeps its hot grammars.
 Identical concurrent `get_or_compile` calls run one compile (single flight).
 """
 
@@ -67,25 +69,36 @@ class GrammarCache:
 
     capacity_bytes: the most payload bytes held in memory (an entry larger than that is
     still returned to its caller and written to disk, but not kept in memory).
-    cache_dir: directory for the disk copy (created), or None.
+    cache_dir: directory for the disk copy (created), or None. disk_bytes: the most bytes of
+    cache files kept in it (0: no bound); files already there count from the start.
     """
 
     def __init__(self, capacity_bytes: int, metrics: GrammarMetrics,
-                 cache_dir: Path | None = None):
+                 cache_dir: Path | None = None, disk_bytes: int = 0):
         self.capacity_bytes = capacity_bytes
+        self.disk_bytes_limit = disk_bytes
         self._metrics = metrics
         self._dir = Path(cache_dir) if cache_dir else None
-        if self._dir:
-            self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._bytes = 0
         self._inflight: dict[str, Future] = {}
+        self._files: OrderedDict[str, int] = OrderedDict()  # key -> file size, LRU first
+        self._file_bytes = 0
         self.hits = self.misses = self.evictions = self.corrupt_files = 0
+        self.file_evictions = 0
+        if self._dir:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            self._scan_dir()
 
     @property
     def bytes(self) -> int:
         return self._bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the cache files in the directory (0 without one)."""
+        return self._file_bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -100,6 +113,8 @@ class GrammarCache:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
+                if key in self._files:
+                    self._files.move_to_end(key)
                 return entry
         entry = self._read_file(key)
         if entry is not None:
@@ -182,20 +197,65 @@ class GrammarCache:
     def _path(self, key: str) -> Path:
         return self._dir / f"{key}.grammar"
 
+    def _scan_dir(self) -> None:
+        """Index the files a previous run left, oldest first; drop its unfinished writes."""
+        found = []
+        for path in self._dir.iterdir():
+            try:
+                if path.name.startswith(".tmp-"):
+                    path.unlink(missing_ok=True)
+                elif path.suffix == ".grammar":
+                    st = path.stat()
+                    found.append((st.st_mtime, path.stem, st.st_size))
+            except OSError:
+                continue
+        with self._lock:
+            for _, key, size in sorted(found):
+                self._files[key] = size
+                self._file_bytes += size
+            self._evict_files()
+
+    def _file_added(self, key: str, size: int) -> None:
+        with self._lock:
+            self._file_bytes += size - self._files.pop(key, 0)
+            self._files[key] = size
+            self._evict_files()
+
+    def _file_gone(self, key: str) -> None:
+        with self._lock:
+            self._file_bytes -= self._files.pop(key, 0)
+
+    def _evict_files(self) -> None:
+        # Caller holds the lock.
+        while self.disk_bytes_limit and self._file_bytes > self.disk_bytes_limit and self._files:
+            key, size = self._files.popitem(last=False)
+            self._file_bytes -= size
+            self.file_evictions += 1
+            try:
+                self._path(key).unlink(missing_ok=True)
+            except OSError:
+                log.exception("cannot delete cache file for %s", key)
+
     def _write_file(self, entry: Entry) -> None:
         header = json.dumps({"key": entry.key, "spec": entry.spec.to_dict(),
                              "backend": entry.backend, "backend_reason": entry.backend_reason,
                              "unenforced": list(entry.unenforced),
                              "compile_seconds": entry.compile_seconds,
                              "payload_bytes": len(entry.payload), "sha256": entry.sha256})
+        head = _MAGIC + header.encode() + b"\n"
+        trailer = b"\nEND " + entry.sha256.encode() + b"\n"
+        size = len(head) + len(entry.payload) + len(trailer)
+        if self.disk_bytes_limit and size > self.disk_bytes_limit:
+            return  # would evict everything else and still not fit
         fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + header.encode() + b"\n" + entry.payload)
-                f.write(b"\nEND " + entry.sha256.encode() + b"\n")
+                f.write(head + entry.payload)
+                f.write(trailer)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self._path(entry.key))
+            self._file_added(entry.key, size)
         except OSError:
             # The memory copy still serves; a missing disk copy costs a recompile later.
             log.exception("cannot write cache file for %s", entry.key)
@@ -208,6 +268,7 @@ class GrammarCache:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
+            self._file_gone(key)
             return None
         except OSError:
             log.exception("cannot read cache file %s", path)
@@ -218,6 +279,13 @@ class GrammarCache:
             with self._lock:
                 self.corrupt_files += 1
             path.unlink(missing_ok=True)
+            self._file_gone(key)
+            return None
+        try:
+            os.utime(path)  # recently used: kept longest, across restarts too
+        except OSError:
+            pass
+        self._file_added(key, len(data))
         return entry
 
 

@@ -36,6 +36,11 @@ class GrammarMetrics:
             "gramserve_grammar_compile_failures_total",
             "Specs refused or failed to compile, by reason (invalid, timeout, memory, crash).",
             ["reason"], registry=registry)
+        self.failed_compile_seconds = Histogram(
+            "gramserve_grammar_failed_compile_seconds",
+            "Wall time of one compile that failed, by reason (timeout, memory, crash, "
+            "invalid): what a bad spec cost before it was refused.",
+            ["reason"], buckets=_COMPILE_BUCKETS, registry=registry)
         self.compiles_in_flight = Gauge(
             "gramserve_grammar_compiles_in_flight", "Compiles running now.", registry=registry)
         for reason in FAILURE_REASONS:

@@ -52,7 +52,7 @@ class GrammarService(grammar_pb2_grpc.GrammarServiceServicer):
     def Compile(self, request, context):
         spec = self._parse(request.spec)
         entry, cached = self._get_or_compile(cache_key(spec, self.vocab_fingerprint, VERSIONS),
-                                             spec)
+                                             spec, request.client, _deadline(context))
         return grammar_pb2.GrammarRef(
             key=entry.key, kind=spec.kind, compile_seconds=entry.compile_seconds,
             cached=cached, unenforced_keywords=list(entry.unenforced),
@@ -73,7 +73,7 @@ class GrammarService(grammar_pb2_grpc.GrammarServiceServicer):
             if key != request.key:
                 raise InvalidArgument(f"the spec's key is {key}, not this key (another spec, "
                                       "vocabulary or backend version)", field="key")
-            entry, _ = self._get_or_compile(key, spec)
+            entry, _ = self._get_or_compile(key, spec, "", _deadline(context))
         yield from _chunks(entry, self.vocab_fingerprint)
 
     def Stats(self, request, context):
@@ -95,16 +95,19 @@ class GrammarService(grammar_pb2_grpc.GrammarServiceServicer):
             self.metrics.compile_failures.labels("invalid").inc()
             raise
 
-    def _get_or_compile(self, key: str, spec: CanonicalSpec) -> tuple[Entry, bool]:
-        return self.cache.get_or_compile(key, spec, lambda: self._compile(spec))
+    def _get_or_compile(self, key: str, spec: CanonicalSpec, client: str = "",
+                        deadline: float | None = None) -> tuple[Entry, bool]:
+        return self.cache.get_or_compile(key, spec,
+                                         lambda: self._compile(spec, client, deadline))
 
-    def _compile(self, spec: CanonicalSpec) -> Compiled:
+    def _compile(self, spec: CanonicalSpec, client: str = "",
+                 deadline: float | None = None) -> Compiled:
         with self._lock:
             self._in_flight += 1
         self.metrics.compiles_in_flight.inc()
         try:
             start = time.perf_counter()
-            compiled = self.pool.compile(spec, field="spec")
+            compiled = self.pool.compile(spec, field="spec", client=client, deadline=deadline)
             self.metrics.compile_seconds.labels(spec.kind, compiled.backend).observe(
                 time.perf_counter() - start)
             return compiled
@@ -112,11 +115,19 @@ class GrammarService(grammar_pb2_grpc.GrammarServiceServicer):
             reason = getattr(exc, "reason", None)
             if reason:
                 self.metrics.compile_failures.labels(reason).inc()
+                self.metrics.failed_compile_seconds.labels(reason).observe(
+                    time.perf_counter() - start)
             raise
         finally:
             self.metrics.compiles_in_flight.dec()
             with self._lock:
                 self._in_flight -= 1
+
+
+def _deadline(context) -> float | None:
+    """The call's deadline as a time.monotonic() value (None: the caller set none)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 def _chunks(entry: Entry, vocab_fingerprint: str):
@@ -146,21 +157,30 @@ def create_server(config: GrammarServiceConfig, *, registry: CollectorRegistry |
         vocab = load_vocab(resolve_model(config.model or None))
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GrammarMetrics(registry)
+    rpc.register_build_info(registry, "grammar-service", xgrammar=XGRAMMAR_VERSION,
+                            llguidance=VERSIONS[LLGUIDANCE])
     pool = CompilePool(VocabView.of(vocab),
                        workers=config.compile_workers, timeout_s=config.compile_timeout,
-                       memory_mb=config.compile_memory_mb, threads=config.compile_threads)
+                       memory_mb=config.compile_memory_mb, threads=config.compile_threads,
+                       short_workers=config.compile_short_workers,
+                       short_seconds=config.compile_short_seconds,
+                       short_memory_mb=config.compile_short_memory_mb,
+                       memory_budget_mb=config.compile_memory_budget_mb)
     cache = GrammarCache(config.cache_bytes, metrics,
-                         Path(config.cache_dir) if config.cache_dir else None)
+                         Path(config.cache_dir) if config.cache_dir else None,
+                         disk_bytes=config.cache_dir_bytes)
     service = GrammarService(cache, pool, metrics, vocab.fingerprint, config.max_spec_bytes)
     tls = None
     if config.tls_cert:
         tls = (Path(config.tls_cert).read_bytes(), Path(config.tls_key).read_bytes())
+    client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
     try:
         server, port, health = rpc.create_server(
             [(grammar_pb2_grpc.add_GrammarServiceServicer_to_server, service, SERVICE_NAME)],
-            host=config.host, port=config.port, tls=tls)
+            host=config.host, port=config.port, tls=tls, client_ca=client_ca,
+            reflection=config.reflection == "on")
         _, service.metrics_port = rpc.start_metrics_server(config.metrics_port, registry,
-                                                           host=config.host)
+                                                           host=config.metrics_host)
     except BaseException:
         pool.close()
         raise

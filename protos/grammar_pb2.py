@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/grammar.proto\x12\x0cgramserve.v1\x1a\x13protos/common.proto\"9\n\x0e\x43ompileRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.gramserve.v1.GrammarSpec\"\xcb\x01\n\nGrammarRef\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x03 \x01(\x01\x12\x0e\n\x06\x63\x61\x63hed\x18\x04 \x01(\x08\x12\x1b\n\x13unenforced_keywords\x18\x05 \x03(\t\x12\x19\n\x11vocab_fingerprint\x18\x06 \x01(\t\x12\x18\n\x10serialized_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x16\n\x0e\x62\x61\x63kend_reason\x18\t \x01(\t\"D\n\x0c\x46\x65tchRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.gramserve.v1.GrammarSpec\"m\n\x0cGrammarChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"\xe4\x01\n\x0cGrammarStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x1a\n\x12\x63ompiles_in_flight\x18\x07 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x08 \x01(\t\x12\x18\n\x10xgrammar_version\x18\t \x01(\t\x12\x1a\n\x12llguidance_version\x18\n \x01(\t2\xd7\x01\n\x0eGrammarService\x12\x41\n\x07\x43ompile\x12\x1c.gramserve.v1.CompileRequest\x1a\x18.gramserve.v1.GrammarRef\x12\x41\n\x05\x46\x65tch\x12\x1a.gramserve.v1.FetchRequest\x1a\x1a.gramserve.v1.GrammarChunk0\x01\x12?\n\x05Stats\x12\x1a.gramserve.v1.StatsRequest\x1a\x1a.gramserve.v1.GrammarStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/grammar.proto\x12\x0cgramserve.v1\x1a\x13protos/common.proto\"I\n\x0e\x43ompileRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.gramserve.v1.GrammarSpec\x12\x0e\n\x06\x63lient\x18\x02 \x01(\t\"\xcb\x01\n\nGrammarRef\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x17\n\x0f\x63ompile_seconds\x18\x03 \x01(\x01\x12\x0e\n\x06\x63\x61\x63hed\x18\x04 \x01(\x08\x12\x1b\n\x13unenforced_keywords\x18\x05 \x03(\t\x12\x19\n\x11vocab_fingerprint\x18\x06 \x01(\t\x12\x18\n\x10serialized_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x16\n\x0e\x62\x61\x63kend_reason\x18\t \x01(\t\"D\n\x0c\x46\x65tchRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.gramserve.v1.GrammarSpec\"m\n\x0cGrammarChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"\xe4\x01\n\x0cGrammarStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x1a\n\x12\x63ompiles_in_flight\x18\x07 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x08 \x01(\t\x12\x18\n\x10xgrammar_version\x18\t \x01(\t\x12\x1a\n\x12llguidance_version\x18\n \x01(\t2\xd7\x01\n\x0eGrammarService\x12\x41\n\x07\x43ompile\x12\x1c.gramserve.v1.CompileRequest\x1a\x18.gramserve.v1.GrammarRef\x12\x41\n\x05\x46\x65tch\x12\x1a.gramserve.v1.FetchRequest\x1a\x1a.gramserve.v1.GrammarChunk0\x01\x12?\n\x05Stats\x12\x1a.gramserve.v1.StatsRequest\x1a\x1a.gramserve.v1.GrammarStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.grammar_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COMPILEREQUEST']._serialized_start=59
-  _globals['_COMPILEREQUEST']._serialized_end=116
-  _globals['_GRAMMARREF']._serialized_start=119
-  _globals['_GRAMMARREF']._serialized_end=322
-  _globals['_FETCHREQUEST']._serialized_start=324
-  _globals['_FETCHREQUEST']._serialized_end=392
-  _globals['_GRAMMARCHUNK']._serialized_start=394
-  _globals['_GRAMMARCHUNK']._serialized_end=503
-  _globals['_STATSREQUEST']._serialized_start=505
-  _globals['_STATSREQUEST']._serialized_end=519
-  _globals['_GRAMMARSTATS']._serialized_start=522
-  _globals['_GRAMMARSTATS']._serialized_end=750
-  _globals['_GRAMMARSERVICE']._serialized_start=753
-  _globals['_GRAMMARSERVICE']._serialized_end=968
+  _globals['_COMPILEREQUEST']._serialized_end=132
+  _globals['_GRAMMARREF']._serialized_start=135
+  _globals['_GRAMMARREF']._serialized_end=338
+  _globals['_FETCHREQUEST']._serialized_start=340
+  _globals['_FETCHREQUEST']._serialized_end=408
+  _globals['_GRAMMARCHUNK']._serialized_start=410
+  _globals['_GRAMMARCHUNK']._serialized_end=519
+  _globals['_STATSREQUEST']._serialized_start=521
+  _globals['_STATSREQUEST']._serialized_end=535
+  _globals['_GRAMMARSTATS']._serialized_start=538
+  _globals['_GRAMMARSTATS']._serialized_end=766
+  _globals['_GRAMMARSERVICE']._serialized_start=769
+  _globals['_GRAMMARSERVICE']._serialized_end=984
 # @@protoc_insertion_point(module_scope)

@@ -8,10 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CompileRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "client")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     spec: _common_pb2.GrammarSpec
-    def __init__(self, spec: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ...) -> None: ...
+    client: str
+    def __init__(self, spec: _Optional[_Union[_common_pb2.GrammarSpec, _Mapping]] = ..., client: _Optional[str] = ...) -> None: ...
 
 class GrammarRef(_message.Message):
     __slots__ = ("key", "kind", "compile_seconds", "cached", "unenforced_keywords", "vocab_fingerprint", "serialized_bytes", "backend", "backend_reason")

@@ -27,14 +27,20 @@ MAX_MODEL_LEN = 256
 class RealSystem:
     """Grammar service + one group of `tp` worker ranks + gateways, all real processes."""
 
-    def __init__(self, log_dir: Path, tp: int = 2, slots: int = 8, model: str | None = None):
+    def __init__(self, log_dir: Path, tp: int = 2, slots: int = 8, model: str | None = None,
+                 grammar_args: tuple[str, ...] = (), rank_args: tuple[str, ...] = (),
+                 tls: dict | None = None):
+        """`grammar_args` and `rank_args` are extra flags; `tls` ({"tls_ca", "tls_identity"}
+        for protos.rpc.check_health) reaches internal servers that require mutual TLS."""
         self.log_dir = log_dir
+        self.tls = tls or {}
         self.children: list[Child] = []
         self._model = ("--model", model) if model else ()  # default: the embedded model
         self.grammar = f"127.0.0.1:{free_port()}"
         self._spawn("grammar", ["grammar_service", "--host", "127.0.0.1",
                                 "--port", self.grammar.rsplit(":", 1)[1],
-                                "--metrics-port", "-1", "--compile-workers", "1", *self._model])
+                                "--metrics-port", "-1", "--compile-workers", "1", *self._model,
+                                *grammar_args])
         dist = free_port()
         self.ranks, self.rank_metrics, self.rank_procs = [], [], []
         for r in range(tp):
@@ -46,7 +52,7 @@ class RealSystem:
                 "--dist-addr", f"127.0.0.1:{dist}", "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", str(mport), "--grammar-service", self.grammar,
                 "--device", "cpu", "--slots", str(slots), "--max-model-len", str(MAX_MODEL_LEN),
-                "--torch-threads", "1", *self._model]))
+                "--torch-threads", "1", *self._model, *rank_args]))
         self.gateways: list[str] = []
         self.gateway_metrics: list[str] = []
 
@@ -86,7 +92,8 @@ class RealSystem:
             time.sleep(0.2)
 
     def wait_serving(self, timeout: float = 180.0) -> None:
-        wait_serving([self.grammar, *self.ranks, *self.gateways], self.children, timeout)
+        wait_serving([self.grammar, *self.ranks], self.children, timeout, **self.tls)
+        wait_serving(self.gateways, self.children, timeout)
 
     def slots_in_use(self) -> list[float]:
         return [metric(url, "gramserve_worker_slots_in_use") for url in self.rank_metrics]

@@ -88,8 +88,10 @@ def free_block(n: int) -> int:
     raise RuntimeError("no free block of ports")
 
 
-def wait_serving(addresses: list[str], children: list[Child], timeout: float = 180.0) -> None:
-    """Wait until every address answers SERVING; raise with the logs if a child died."""
+def wait_serving(addresses: list[str], children: list[Child], timeout: float = 180.0,
+                 **tls) -> None:
+    """Wait until every address answers SERVING; raise with the logs if a child died.
+    `tls`: check_health's tls_ca / tls_identity."""
     deadline = time.monotonic() + timeout
     pending = list(addresses)
     while pending:
@@ -99,6 +101,6 @@ def wait_serving(addresses: list[str], children: list[Child], timeout: float = 1
         if time.monotonic() > deadline:
             raise TimeoutError(f"not serving: {pending}\n"
                                + "\n".join(c.tail(800) for c in children))
-        pending = [a for a in pending if not check_health(a, timeout=1.0)]
+        pending = [a for a in pending if not check_health(a, timeout=1.0, **tls)]
         if pending:
             time.sleep(0.3)

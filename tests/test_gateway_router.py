@@ -157,3 +157,46 @@ def test_on_change_reports_queue_depth_in_flight_and_healthy_groups():
         router.set_health(groups[1], False)
         assert seen[-1] == (0, 1, 1)
     run(main())
+
+
+def test_client_at_its_stream_limit_waits_while_other_clients_pass_it():
+    async def main():
+        router, groups = _router(slots=(3,), max_queue=8, client_streams=1)
+        first = await router.acquire(client="a")
+        second = asyncio.ensure_future(router.acquire(client="a"))  # a's limit: queued
+        await _until(lambda: router.queue_depth == 1)
+        # b is behind a's waiter in the queue yet starts at once: a may not run two.
+        assert (await asyncio.wait_for(router.acquire(client="b"), 1.0)) is groups[0]
+        assert not second.done()
+        router.release(first, client="a")
+        assert (await asyncio.wait_for(second, 1.0)) is groups[0]
+        assert groups[0].in_use == 2
+    run(main())
+
+
+def test_client_beyond_its_queue_share_is_resource_exhausted_with_a_retry_hint():
+    async def main():
+        router, _ = _router(slots=(1,), max_queue=8, client_queued=1)
+        await router.acquire(client="a")
+        waiting = asyncio.ensure_future(router.acquire(client="a"))
+        await _until(lambda: router.queue_depth == 1)
+        with pytest.raises(ResourceExhausted, match="client a .* queued") as info:
+            await router.acquire(client="a")
+        assert info.value.retry_after and "retry after" in str(info.value)
+        other = asyncio.ensure_future(router.acquire(client="b"))  # b's share is untouched
+        await _until(lambda: router.queue_depth == 2)
+        waiting.cancel()
+        other.cancel()
+        await asyncio.gather(waiting, other, return_exceptions=True)
+        assert router.queue_depth == 0 and not router._waiting
+    run(main())
+
+
+def test_queue_full_carries_a_retry_hint():
+    async def main():
+        router, _ = _router(slots=(1,), max_queue=0)
+        await router.acquire()
+        with pytest.raises(ResourceExhausted) as info:
+            await router.acquire()
+        assert info.value.retry_after == 1.0
+    run(main())

@@ -16,8 +16,8 @@ from grammar_service.specs import CanonicalSpec, GrammarOptions
 SPEC = CanonicalSpec("regex", "a+", GrammarOptions())
 
 
-def make_cache(capacity=1000, cache_dir=None):
-    return GrammarCache(capacity, GrammarMetrics(CollectorRegistry()), cache_dir)
+def make_cache(capacity=1000, cache_dir=None, disk_bytes=0):
+    return GrammarCache(capacity, GrammarMetrics(CollectorRegistry()), cache_dir, disk_bytes)
 
 
 def compiler(payload: str, calls: list, backend: str = "xgrammar"):
@@ -49,6 +49,30 @@ def test_restart_with_cache_dir_serves_from_disk_without_compiling(tmp_path):
     entry, cached = make_cache(cache_dir=tmp_path).get_or_compile(
         "k", SPEC, compiler("other", calls))
     assert cached and entry.payload == b"payload" and entry.spec == SPEC and len(calls) == 1
+
+
+def test_cache_dir_is_bounded_in_bytes_least_recently_used_first_across_restarts(tmp_path):
+    calls = []
+    one = make_cache(capacity=10_000, cache_dir=tmp_path, disk_bytes=10_000)
+    for k in ("a", "b", "c"):
+        one.get_or_compile(k, SPEC, compiler(k * 2000, calls))
+    file_size = max(p.stat().st_size for p in tmp_path.glob("*.grammar"))
+    assert one.disk_bytes == sum(p.stat().st_size for p in tmp_path.glob("*.grammar"))
+    bound = 3 * file_size + file_size // 2  # room for three files, not four
+    # A restart under that bound: "a" is read back (now the most recent), then "d" arrives.
+    two = make_cache(capacity=1, cache_dir=tmp_path, disk_bytes=bound)
+    assert two.get("a").payload == b"a" * 2000
+    two.get_or_compile("d", SPEC, compiler("d" * 2000, calls))
+    assert sorted(p.stem for p in tmp_path.glob("*.grammar")) == ["a", "c", "d"]
+    assert two.disk_bytes <= bound and two.file_evictions == 1
+    # A smaller bound at the next start trims what the last run left, oldest first.
+    d_size = (tmp_path / "d.grammar").stat().st_size
+    three = make_cache(capacity=1, cache_dir=tmp_path, disk_bytes=d_size)
+    assert [p.stem for p in tmp_path.glob("*.grammar")] == ["d"]
+    assert three.get("d").payload == b"d" * 2000 and three.get("c") is None
+    # A file larger than the whole bound is never written; its entry still serves.
+    entry, _ = three.get_or_compile("huge", SPEC, compiler("h" * 50_000, calls))
+    assert entry.payload == b"h" * 50_000 and not (tmp_path / "huge.grammar").exists()
 
 
 def test_disk_copy_keeps_the_backend_its_reason_and_unenforced_keywords(tmp_path):

@@ -39,9 +39,11 @@ def served(vocab):
     # (replacements too), so it stays set for the module.
     old = os.environ.get(TEST_HOOKS_ENV)
     os.environ[TEST_HOOKS_ENV] = "1"
+    # One lane of compile processes: the isolation tested here is the general lane's (the
+    # short lane and its scheduling: tests/test_grammar_compile_fairness.py).
     config = GrammarServiceConfig(port=0, metrics_port=0, compile_workers=2,
                                   compile_timeout=5.0, compile_memory_mb=512,
-                                  max_spec_bytes=MAX_SPEC_BYTES)
+                                  compile_short_workers=0, max_spec_bytes=MAX_SPEC_BYTES)
     server, port, service = create_server(config, registry=CollectorRegistry(), vocab=vocab)
     address = f"127.0.0.1:{port}"
     ch = rpc.channel(address)
@@ -305,10 +307,13 @@ def test_crash_hang_or_memory_blowup_fails_one_compile_and_service_keeps_serving
     pattern, code, message = HOOK_FAILURES[reason]
     failures = service.metrics.compile_failures.labels(reason)
     before = failures._value.get()
+    timed = service.metrics.failed_compile_seconds.labels(reason)
+    observed = sum(b.get() for b in timed._buckets)
     with pytest.raises(grpc.RpcError) as err:
         compile_(stub, regex=pattern)
     assert err.value.code() == code and message in err.value.details()
     assert failures._value.get() == before + 1
+    assert sum(b.get() for b in timed._buckets) == observed + 1  # how long it cost, too
     assert rpc.check_health(address)
     # Both pool processes (the replacement included) still compile.
     refs = [compile_(stub, regex=f"after-{reason}-{i}") for i in range(3)]
@@ -323,7 +328,7 @@ def test_metrics_are_served_over_http_and_move(served):
         url = f"http://127.0.0.1:{service.metrics_port}/metrics"
         body = urllib.request.urlopen(url, timeout=10).read().decode()
         return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in body.splitlines() if line.startswith("gramserve_grammar_")}
+                for line in body.splitlines() if line.startswith("gramserve_")}
 
     before = scrape()
     compile_(stub, regex="metrics-[a-z]")
@@ -341,6 +346,8 @@ def test_metrics_are_served_over_http_and_move(served):
     assert after[invalid] == before[invalid] + 1
     assert after["gramserve_grammar_cache_bytes"] > 0
     assert after["gramserve_grammar_compiles_in_flight"] == 0
+    assert not [k for k in after if "_created" in k]
+    assert any(k.startswith('gramserve_build_info{component="grammar-service"') for k in after)
     stats = stub.Stats(grammar_pb2.StatsRequest(), timeout=10)
     assert stats.misses == service.cache.misses and stats.entries == len(service.cache)
     assert stats.xgrammar_version == importlib.metadata.version("xgrammar")

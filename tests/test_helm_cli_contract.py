@@ -91,3 +91,38 @@ def test_helm_tls_args_parse_for_gateway_and_worker(chart):
     cfg = WorkerConfig.from_args(launch.rank_command(ns, rest, 1)[3:])
     assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == (
         "/etc/gramserve/tls/tls.crt", "/etc/gramserve/tls/tls.key", "/etc/gramserve/tls/ca.crt")
+
+
+def test_helm_mutual_tls_tokens_and_bind_flags_parse_for_every_component(chart):
+    from grammar_service.config import parse_config
+
+    rendered = pod_args(chart, {"tls": {"enabled": True}, "auth": {"enabled": True},
+                                "reflection": False, "worker": {"tp": 2},
+                                "gateway": {"clientMaxStreams": 4, "clientMaxQueued": 8}})
+    d = "/etc/gramserve/tls"
+    p = argparse.ArgumentParser()
+    add_gateway_args(p)
+    gw_obj, gw_args = rendered["gateway"]
+    gw = p.parse_args(gw_args[1:])
+    assert (gw.tls_client_cert, gw.tls_client_key) == (f"{d}/tls.crt", f"{d}/tls.key")
+    assert (gw.auth_tokens, gw.client_max_streams, gw.client_max_queued) == (
+        "/etc/gramserve/auth/tokens", 4, 8)
+    assert (gw.metrics_host, gw.reflection, gw.max_prompt_bytes) == ("0.0.0.0", "off", 1048576)
+    pod = gw_obj["spec"]["template"]["spec"]
+    assert {"name": "auth", "mountPath": "/etc/gramserve/auth", "readOnly": True} in \
+        pod["containers"][0]["volumeMounts"]
+    assert any(v["name"] == "auth" and v["secret"]["secretName"] == "gramserve-auth"
+               for v in pod["volumes"])
+    ns, rest = launch.parse(rendered["worker-group"][1][1:])
+    rank = WorkerConfig.from_args(launch.rank_command(ns, rest, 1)[3:])
+    assert (rank.tls_client_ca, rank.metrics_host, rank.reflection) == (
+        f"{d}/ca.crt", "0.0.0.0", "off")
+    grammar_obj, grammar_args = rendered["grammar-service"]
+    grammar = parse_config(grammar_args[1:])
+    assert (grammar.tls_client_ca, grammar.metrics_host, grammar.reflection) == (
+        f"{d}/ca.crt", "0.0.0.0", "off")
+    assert grammar.cache_dir_bytes == 8 * 1024**3
+    # Probes of servers that require client certificates present the pod's certificate.
+    probe = grammar_obj["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert probe["exec"]["command"][-4:] == ["--tls-cert", f"{d}/tls.crt", "--tls-key",
+                                             f"{d}/tls.key"]

@@ -109,13 +109,20 @@ def test_pending_release_drops_entry_and_runs_on_drop(group):
 
 
 def test_allocation_expires_when_another_rank_never_gets_the_admit():
-    r0 = SlotTable(2, is_rank0=True, admit_timeout_s=0.05)
+    from prometheus_client import CollectorRegistry
+
+    from gpu_worker.metrics import WorkerMetrics
+
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    r0 = SlotTable(2, is_rank0=True, admit_timeout_s=0.05, on_expire=metrics.admit_expired.inc)
     dropped = []
     r0.allocate("a", None, on_drop=lambda e, why: dropped.append(why))
     time.sleep(0.1)
     r0.local_vector()
     r0.abort_step()
     assert dropped == ["expired"] and r0.in_use() == 0
+    assert registry.get_sample_value("gramserve_worker_admit_expired_total") == 1
 
 
 def test_full_table_raises_no_free_slot(group):

@@ -184,6 +184,35 @@ def test_dead_end_fails_one_request_and_spares_the_others(tmp_path, model_dir):
     assert h.table.in_use() == 0
 
 
+def test_nan_logits_fail_that_request_as_their_own_error_not_a_dead_end(model_dir):
+    """A model that gives NaN for one request (its prompt holds a token whose embedding is
+    NaN) fails that request with an error that says so, not a grammar dead end; the
+    request beside it, which never sees that token, is unaffected."""
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from gpu_worker.control.engine import INTERNAL
+    from gpu_worker.metrics import WorkerMetrics
+
+    h = EngineHarness(model_dir, slots=2)
+    h.engine.metrics = metrics = WorkerMetrics(registry := CollectorRegistry())
+    solo = h.run([make(h, "free", seed=5, max_tokens=8)])["free"]
+    seen = set(h.vocab.encode("hello")) | set(solo.tokens)
+    poison = next(i for i in range(h.vocab.vocab_size - 1, 0, -1) if i not in seen)
+    with torch.no_grad():
+        h.engine.model.embed.weight[poison] = float("nan")
+    grammar = xgr.GrammarCompiler(h.vocab.tokenizer_info()).compile_regex("[a-z]+")
+    for compiled in (None, grammar):
+        nan = make(h, "nan", compiled=compiled)
+        nan.prompt = [poison]
+        out = h.run([nan, make(h, "free", seed=5, max_tokens=8)])
+        assert out["nan"].reason == INTERNAL and "NaN or infinite logits" in out["nan"].message
+        assert out["free"].tokens == solo.tokens
+    assert registry.get_sample_value("gramserve_worker_nonfinite_logits_total") == 2
+    assert registry.get_sample_value("gramserve_worker_grammar_dead_ends_total") == 0
+    assert h.table.in_use() == 0 and metrics is h.engine.metrics
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_steps_with_prefill_chunks_give_the_tokens_of_requests_run_alone(model_dir, temperature):
     """Prompts of very different lengths arrive while others decode, under a small step

@@ -54,12 +54,15 @@ from gpu_worker.guided.forced import ForcedScan, RowJob, prepare
 from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 from gpu_worker.sampling.sampler import SamplingBatch, SamplingFlags, sample
+from protos.rpc import public_message
 
 log = logging.getLogger(__name__)
 
 # Finish reasons, as plain strings (the server maps them to protos.FinishReason).
 STOP, LENGTH, GRAMMAR_COMPLETED, CANCELLED = "stop", "length", "grammar_completed", "cancelled"
 DEAD_END, DIVERGENCE, INTERNAL, UNAVAILABLE = "dead_end", "divergence", "internal", "unavailable"
+# Sampled ids that are no token: the row had no allowed token, or non-finite logits.
+_DEAD, _NONFINITE = -1, -2
 # gRPC's UNAVAILABLE as a number (the engine imports no grpc): a rank of the group failed.
 _UNAVAILABLE_CODE = 14
 
@@ -308,7 +311,8 @@ class Engine:
             log.error("engine stopped: %s", exc, exc_info=not isinstance(exc, RuntimeError))
             self.table.abort_step()
             self._inflight = self._redo = None
-            self._fail_all(UNAVAILABLE, f"worker rank failed: {exc}")
+            # Library errors (gloo's lost peer) name their C++ source files: not for clients.
+            self._fail_all(UNAVAILABLE, public_message(f"worker rank failed: {exc}"))
             self._flush()
             if self.on_fatal is not None:
                 self.on_fatal(exc)
@@ -506,7 +510,10 @@ class Engine:
             batch = self._sampling_batch(rows)
             flags = batch.flags
             tokens, dead = sample(logits, batch)
-            parts.append(torch.where(dead, -1, tokens))                 # (R,) a dead row is -1
+            # A NaN or +inf logit among the tokens a row may take is the model's failure, not
+            # the grammar's: such a row is -2, a row with nothing allowed (a dead end) -1.
+            broken = ~(logits < float("inf")).all(dim=-1)                # (R,) NaN or +inf
+            parts.append(torch.where(broken, _NONFINITE, torch.where(dead, _DEAD, tokens)))
             lp = self._logprobs(logits, tokens, rows)
         else:
             saved, flags, t_sample = None, None, time.perf_counter()
@@ -625,7 +632,7 @@ class Engine:
             r.pending = 1  # the resampled token, on the device: the row samples nothing now
             if r.fed > len(r.generated):
                 r.fed -= 1
-        self._redo = (rows, torch.where(dead, -1, tokens))
+        self._redo = (rows, torch.where(dead, _DEAD, tokens))
 
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
@@ -650,6 +657,12 @@ class Engine:
         if diverged:
             log.error("TP divergence on slot %d (request %s)", r.slot, req.request_id)
             self._finish(r, DIVERGENCE, "ranks sampled different tokens")
+            return True
+        if token == _NONFINITE:
+            if self.metrics is not None:
+                self.metrics.nonfinite_logits.inc()
+            self._finish(r, INTERNAL, "the model produced NaN or infinite logits for this "
+                                      "request")
             return True
         if token < 0:
             if self.metrics is not None:

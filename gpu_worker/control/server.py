@@ -6,6 +6,7 @@ and its server; `main(argv)` is `gramserve worker`.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import queue
@@ -32,6 +33,7 @@ from grammar_service.default_model import resolve_model
 from grammar_service.vocab import Vocab, load_vocab
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from protos.rpc import (
+    ConstantLabels,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -39,6 +41,7 @@ from protos.rpc import (
     ServiceError,
     Unavailable,
     create_server,
+    register_build_info,
     set_serving,
     start_metrics_server,
 )
@@ -345,6 +348,14 @@ def _device_and_dtype(cfg: WorkerConfig) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
+def _tls_pair(cfg: WorkerConfig) -> tuple[bytes, bytes] | None:
+    """This rank's (certificate chain, key) PEM: served, and presented to the grammar service."""
+    if not cfg.tls_cert:
+        return None
+    with open(cfg.tls_cert, "rb") as c, open(cfg.tls_key, "rb") as k:
+        return c.read(), k.read()
+
+
 def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
     """Join the group, load the shard and start the engine (not the gRPC server)."""
     device, dtype = _device_and_dtype(cfg)
@@ -357,10 +368,11 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
     model = load_model(model_dir, tp, dtype, device)
     model.allocate_kv_cache(cfg.slots + 1, cfg.max_model_len)  # + the CUDA graphs' scratch slot
     metrics = WorkerMetrics(registry)
-    table = SlotTable(cfg.slots, is_rank0=cfg.rank == 0, admit_timeout_s=cfg.admit_timeout_s)
+    table = SlotTable(cfg.slots, is_rank0=cfg.rank == 0, admit_timeout_s=cfg.admit_timeout_s,
+                      on_expire=metrics.admit_expired.inc)
     tls_ca = open(cfg.tls_ca, "rb").read() if cfg.tls_ca else None
     grammars = WorkerGrammarCache(cfg.grammar_service, vocab, cfg.grammar_cache_bytes,
-                                  metrics=metrics, tls_ca=tls_ca)
+                                  metrics=metrics, tls_ca=tls_ca, tls_identity=_tls_pair(cfg))
     engine = eng.Engine(
         eng.EngineConfig(num_slots=cfg.slots, max_model_len=cfg.max_model_len,
                          step_tokens=cfg.step_tokens,
@@ -385,12 +397,11 @@ def serve(cfg: WorkerConfig, registry: CollectorRegistry | None = None):
     group is formed (every rank must be started)."""
     registry = registry or CollectorRegistry()
     rank = build_rank(cfg, registry)
-    tls = None
-    if cfg.tls_cert:
-        tls = (open(cfg.tls_cert, "rb").read(), open(cfg.tls_key, "rb").read())
+    client_ca = open(cfg.tls_client_ca, "rb").read() if cfg.tls_client_ca else None
     server, port, health = create_server(
         [(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(rank), SERVICE_NAME)],
-        host=cfg.host, port=cfg.port, tls=tls)
+        host=cfg.host, port=cfg.port, tls=_tls_pair(cfg), client_ca=client_ca,
+        reflection=cfg.reflection == "on")
 
     def on_fatal(exc: BaseException) -> None:
         # A rank without its peers can do nothing useful: say so, let streams carry the
@@ -407,7 +418,10 @@ def serve(cfg: WorkerConfig, registry: CollectorRegistry | None = None):
 
     rank.engine.on_fatal = on_fatal
     rank.engine.start()
-    start_metrics_server(cfg.metrics_port, registry)
+    register_build_info(registry, "worker", torch=torch.__version__,
+                        xgrammar=importlib.metadata.version("xgrammar"))
+    start_metrics_server(cfg.metrics_port, ConstantLabels(registry, rank=str(cfg.rank)),
+                         host=cfg.metrics_host)
     log.info("worker rank %d/%d serving on %s:%d (model %s, %s, %d slots)", cfg.rank, cfg.tp,
              cfg.host, port, rank.model_dir, rank.device, cfg.slots)
     return server, port, rank

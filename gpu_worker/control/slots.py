@@ -88,10 +88,13 @@ class SlotTable:
     """
 
     def __init__(self, num_slots: int, *, is_rank0: bool, admit_timeout_s: float,
-                 busy_wait_s: float = 0.5, tombstones: int = 4096):
+                 busy_wait_s: float = 0.5, tombstones: int = 4096,
+                 on_expire: Callable[[int], None] | None = None):
+        """`on_expire(n)` is told how many pending Admits one step expired (a metric)."""
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
         self.num_slots = num_slots
+        self._on_expire = on_expire
         self.is_rank0 = is_rank0
         self.admit_timeout_s = admit_timeout_s
         self.busy_wait_s = busy_wait_s
@@ -220,6 +223,8 @@ class SlotTable:
                 vec.append(1 if self._release[slot] else 0)
         for entry in expired:
             entry.drop("expired")
+        if expired and self._on_expire is not None:
+            self._on_expire(len(expired))
         return vec
 
     def apply(self, reduced: list[int]) -> StepDecision:

@@ -100,7 +100,8 @@ class WorkerGrammarCache:
     """
 
     def __init__(self, grammar_service_addr: str | None, vocab: Vocab, capacity_bytes: int,
-                 metrics=None, fetch_timeout_s: float = 60.0, tls_ca: bytes | None = None):
+                 metrics=None, fetch_timeout_s: float = 60.0, tls_ca: bytes | None = None,
+                 tls_identity: tuple[bytes, bytes] | None = None):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes: must be > 0, got {capacity_bytes}")
         if fetch_timeout_s <= 0:
@@ -110,8 +111,8 @@ class WorkerGrammarCache:
         self._metrics = metrics
         self._timeout = fetch_timeout_s
         self._addr = grammar_service_addr
-        self._channel = channel(grammar_service_addr, tls_ca=tls_ca) if grammar_service_addr \
-            else None
+        self._channel = channel(grammar_service_addr, tls_ca=tls_ca,
+                                tls_identity=tls_identity) if grammar_service_addr else None
         self._stub = grammar_pb2_grpc.GrammarServiceStub(self._channel) if self._channel else None
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest use first

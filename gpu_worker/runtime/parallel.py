@@ -10,7 +10,10 @@ At size 1 every collective is the identity and torch.distributed is never touche
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,12 +91,56 @@ def init_distributed(rank: int, world_size: int, dist_addr: str, device: torch.d
     if not sep or not host or not port.isdigit():
         raise ValueError(f"dist_addr must be host:port, got {dist_addr!r}")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{dist_addr}", rank=rank,
+    store = _rendezvous_store(host, int(port), rank, world_size, timeout)
+    if _is_loopback(host):
+        # The group's own connections stay on loopback too (gloo and NCCL pick an interface
+        # from the host name otherwise, which is reachable from the network).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", _loopback_interface())
+    dist.init_process_group(backend, store=store, rank=rank,
                             world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     control = dist.new_group(backend="gloo", timeout=timeout)
     log.info("rank %d/%d joined %s (%s)", rank, world_size, dist_addr, backend)
     return TPGroup(rank, world_size, dist.group.WORLD, device), control
+
+
+_LISTEN_SOCKETS: list[socket.socket] = []
+
+
+def _rendezvous_store(host: str, port: int, rank: int, world_size: int,
+                      timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's key-value store. Rank 0 serves it on a socket bound to `host` only
+    (torch's own TCPStore server listens on every interface); the others connect."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"--dist-addr: cannot listen on {host}:{port}: {exc}") from None
+    sock.listen(128)
+    store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                          master_listen_fd=sock.fileno())
+    _LISTEN_SOCKETS.append(sock)  # the store serves on its descriptor for the process's life
+    return store
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _loopback_interface() -> str:
+    for _, name in socket.if_nameindex():
+        if name == "lo" or name.startswith("lo"):
+            return name
+    return "lo"
 
 
 def _copy_into(param: Tensor, value: Tensor, name: str) -> None:

@@ -98,6 +98,31 @@ The gateway's --group value: one ';'-separated entry per worker pod (TP group), 
 - --tls-ca
 - {{ $dir }}/ca.crt
 {{- end }}
+{{- if .root.Values.tls.mutual }}
+{{- if .internalServer }}
+- --tls-client-ca
+- {{ $dir }}/ca.crt
+{{- end }}
+{{- if .gateway }}
+- --tls-client-cert
+- {{ $dir }}/tls.crt
+- --tls-client-key
+- {{ $dir }}/tls.key
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Flags every component takes: /metrics on the pod address (Prometheus scrapes it; the
+processes bind loopback unless told), and gRPC reflection off unless enabled.
+*/}}
+{{- define "gramserve.commonArgs" -}}
+- --metrics-host
+- 0.0.0.0
+{{- if not .Values.reflection }}
+- --reflection
+- "off"
 {{- end }}
 {{- end }}
 
@@ -112,6 +137,9 @@ the certificate against `serverName`. Call with (dict "root" $ "port" N "serverN
 {{- $check := dict }}
 {{- if .root.Values.tls.enabled }}
 {{- $cmd := list "python" "/opt/gramserve/grpc_health_probe.py" "--port" (toString .port) "--tls-ca" (printf "%s/ca.crt" .root.Values.tls.mountPath) "--server-name" .serverName "--timeout" (toString $p.timeoutSeconds) }}
+{{- if .root.Values.tls.mutual }}
+{{- $cmd = concat $cmd (list "--tls-cert" (printf "%s/tls.crt" .root.Values.tls.mountPath) "--tls-key" (printf "%s/tls.key" .root.Values.tls.mountPath)) }}
+{{- end }}
 {{- $check = dict "exec" (dict "command" $cmd) }}
 {{- else }}
 {{- $check = dict "grpc" (dict "port" (int .port)) }}
@@ -143,6 +171,18 @@ readinessProbe:
 - name: tls
   secret:
     secretName: {{ .Values.tls.secretName }}
+{{- end }}
+{{- end }}
+
+{{/* The bearer-token Secret, mounted into the gateway only. */}}
+{{- define "gramserve.authVolume" -}}
+{{- if .Values.auth.enabled }}
+- name: auth
+  secret:
+    secretName: {{ .Values.auth.secretName }}
+    items:
+      - key: {{ .Values.auth.secretKey }}
+        path: tokens
 {{- end }}
 {{- end }}
 
