@@ -407,7 +407,8 @@ def _auto_tools(body: dict, functions: dict, fmt: ToolFormat, spec: common_pb2.G
     ws = so.get("whitespace", "bounded")
     if ws not in _WHITESPACE:
         raise bad("structured_outputs.whitespace", f"must be one of {', '.join(_WHITESPACE)}")
-    max_ws = {"bounded": DEFAULT_MAX_WHITESPACE, "compact": 0, "any": None}[ws]
+    # xgrammar's tags bound whitespace runs but cannot forbid them: compact allows one.
+    max_ws = {"bounded": DEFAULT_MAX_WHITESPACE, "compact": 1, "any": None}[ws]
     schemas = {name: params for name, (_, params, _) in functions.items()}
     try:
         spec.structural_tag = auto_structural_tag(

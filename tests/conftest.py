@@ -27,7 +27,8 @@ MAX_MODEL_LEN = 256
 class RealSystem:
     """Grammar service + one group of `tp` worker ranks + gateways, all real processes."""
 
-    def __init__(self, log_dir: Path, tp: int = 2, slots: int = 8, model: str | None = None):
+    def __init__(self, log_dir: Path, tp: int = 2, slots: int = 8, model: str | None = None,
+                 max_model_len: int = MAX_MODEL_LEN):
         self.log_dir = log_dir
         self.children: list[Child] = []
         self._model = ("--model", model) if model else ()  # default: the embedded model
@@ -45,7 +46,7 @@ class RealSystem:
                 "gpu_worker", "--rank", str(r), "--tp", str(tp),
                 "--dist-addr", f"127.0.0.1:{dist}", "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", str(mport), "--grammar-service", self.grammar,
-                "--device", "cpu", "--slots", str(slots), "--max-model-len", str(MAX_MODEL_LEN),
+                "--device", "cpu", "--slots", str(slots), "--max-model-len", str(max_model_len),
                 "--torch-threads", "1", *self._model]))
         self.gateways: list[str] = []
         self.gateway_metrics: list[str] = []
