@@ -37,6 +37,9 @@ def test_formats_are_recognised_from_real_templates():
     assert tool_format(_template("qwen3")) is HERMES
     assert tool_format(_template("llama3")) is LLAMA
     assert tool_format(_template("llama2")) is None  # renders no tools
+    assert tool_format(_template("phi3")) is None
+    # [TOOL_CALLS] is a special token: the detokenised text never shows it to a parser
+    assert tool_format(_template("mistral_nemo")) is None
     assert tool_format(None) is None
 
 
