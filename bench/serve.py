@@ -269,8 +269,9 @@ def metrics_delta(before: dict, after: dict) -> dict[str, float]:
 # ------------------------------------------------------------------------------- load runs
 
 def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, duration: float,
-             requests: int = 0, warmup: int = 0) -> dict:
-    """One `gramserve bench --json` run as a subprocess (with a timeout); its summary."""
+             requests: int = 0, warmup: int = 0, http: str = "") -> dict:
+    """One `gramserve bench --json` run as a subprocess (with a timeout); its summary. With
+    `http` (a base URL) the load goes through the OpenAI-compatible API instead of gRPC."""
     processes = max(1, min(ns.client_processes, concurrency // 16 or 1))
     cmd = [sys.executable, "-m", "gateway.cli", "bench", "--addr", addr, "--json",
            "--no-progress", "--concurrency", str(concurrency), "--processes", str(processes),
@@ -281,6 +282,7 @@ def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, dura
     if ns.train_steps:
         cmd.append("--schema-prompts")
     cmd += ["--duration", str(duration)] if duration else ["--requests", str(requests)]
+    cmd += ["--http", http] if http else []
     budget = (duration or 0) + ns.request_timeout * (2 + warmup + requests / concurrency) + 120
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget, cwd=ROOT,
                           env=os.environ.copy())

@@ -134,18 +134,43 @@ def _options(whitespace: Whitespace, strict: bool = False) -> common_pb2.Grammar
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely alternatives (`top`:
+    (token id, log-probability) pairs, most likely first), of the distribution the token was
+    drawn from after the grammar's mask, at temperature 1."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def of(cls, lp: common_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(lp.token_id, lp.logprob,
+                   tuple(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
+
+
+def _logprobs(lps) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob.of(lp) for lp in lps)
+
+
+@dataclass(frozen=True)
 class Delta:
-    """New text of a stream (never split inside a UTF-8 character) and its token ids."""
+    """New text of a stream (never split inside a UTF-8 character), its token ids, their
+    log-probabilities (empty unless asked) and the choice it belongs to (`index`, 0 unless
+    n > 1)."""
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0
 
 
 @dataclass(frozen=True)
 class Completion:
     """A finished generation. `finish_reason` is the proto name without its prefix, lower
     case: "stop", "length", "grammar_completed", "stop_string", ... `schema_valid` is None
-    unless the constraint was a JSON schema."""
+    unless the constraint was a JSON schema. `logprobs` has one entry per generated token
+    when they were asked for; `index` is the choice (0 unless n > 1)."""
 
     text: str
     finish_reason: str
@@ -157,16 +182,19 @@ class Completion:
     seed: int
     request_id: str
     prompt_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0
 
     @classmethod
-    def of(cls, final: gateway_pb2.Final) -> Completion:
+    def of(cls, final: gateway_pb2.Final, index: int = 0) -> Completion:
         name = common_pb2.FinishReason.Name(final.finish_reason)
         return cls(text=final.text, finish_reason=name.removeprefix("FINISH_REASON_").lower(),
                    message=final.message, prompt_tokens=final.usage.prompt_tokens,
                    completion_tokens=final.usage.completion_tokens,
                    schema_valid=final.schema_valid if final.HasField("schema_valid") else None,
                    schema_error=final.schema_error, seed=final.seed,
-                   request_id=final.request_id, prompt_token_ids=tuple(final.prompt_token_ids))
+                   request_id=final.request_id, prompt_token_ids=tuple(final.prompt_token_ids),
+                   logprobs=_logprobs(final.logprobs), index=index)
 
 
 @dataclass(frozen=True)
@@ -194,18 +222,21 @@ class Model:
 
 def _request(prompt: str | None, *, messages, prompt_token_ids, tools, constraint, model,
              max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, request_id,
-             echo_prompt_token_ids) -> gateway_pb2.GenerateRequest:
+             echo_prompt_token_ids, n, logprobs, top_logprobs) -> gateway_pb2.GenerateRequest:
     """The GenerateRequest of the keyword arguments (see Client.generate)."""
     forms = [prompt is not None, bool(messages), bool(prompt_token_ids)]
     if sum(forms) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
-    sampling = common_pb2.SamplingParams(stop=list(stop), ignore_eos=ignore_eos, top_k=top_k)
+    if top_logprobs and not logprobs:
+        raise ValueError("top_logprobs needs logprobs=True")
+    sampling = common_pb2.SamplingParams(stop=list(stop), ignore_eos=ignore_eos, top_k=top_k,
+                                         logprobs=logprobs, top_logprobs=top_logprobs)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
                         ("top_p", top_p), ("seed", seed)):
         if value is not None:
             setattr(sampling, name, value)
     req = gateway_pb2.GenerateRequest(
-        model=model, sampling=sampling, request_id=request_id,
+        model=model, sampling=sampling, request_id=request_id, n=n,
         echo_prompt_token_ids=echo_prompt_token_ids,
         constraint=constraint.to_proto() if constraint is not None else None)
     if prompt is not None:
@@ -235,27 +266,50 @@ def _models(resp: gateway_pb2.ListModelsResponse) -> list[Model]:
 
 def _event(resp: gateway_pb2.GenerateResponse) -> Delta | Completion:
     if resp.HasField("final"):
-        return Completion.of(resp.final)
-    return Delta(resp.delta.text, tuple(resp.delta.token_ids))
+        return Completion.of(resp.final, resp.index)
+    return Delta(resp.delta.text, tuple(resp.delta.token_ids), _logprobs(resp.delta.logprobs),
+                 resp.index)
+
+
+class _Choices:
+    """The completions of a stream's choices as they end, in index order."""
+
+    def __init__(self, n: int):
+        self.completions: list[Completion | None] = [None] * max(n, 1)
+
+    @property
+    def completion(self) -> Completion | None:
+        """Choice 0's completion (the only one unless n > 1); None until it ends."""
+        return self.completions[0]
+
+    def _end(self, completion: Completion) -> None:
+        self.completions[completion.index] = completion
+
+    def _all(self) -> list[Completion]:
+        if any(c is None for c in self.completions):
+            raise GramserveError(grpc.StatusCode.INTERNAL, "the stream ended without a final "
+                                                           "for every choice")
+        return list(self.completions)
 
 
 # ----------------------------------------------------------------------------- sync
 
 
-class Stream:
-    """The deltas of one generation, iterated; `completion` is set once the stream ends.
-    `cancel()` stops it (the gateway releases the slot)."""
+class Stream(_Choices):
+    """The deltas of one generation, iterated; `completion` is set once the stream ends
+    (with n > 1 the choices' deltas interleave, each with its `index`, and `completions`
+    holds every choice's). `cancel()` stops it (the gateway releases the slots)."""
 
-    def __init__(self, call):
+    def __init__(self, call, n: int = 1):
+        super().__init__(n)
         self._call = call
-        self.completion: Completion | None = None
 
     def __iter__(self) -> Iterator[Delta]:
         try:
             for resp in self._call:
                 event = _event(resp)
                 if isinstance(event, Completion):
-                    self.completion = event
+                    self._end(event)
                 else:
                     yield event
         except grpc.RpcError as exc:
@@ -292,28 +346,36 @@ class Client:
                constraint: Constraint | None = None, max_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
                seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
-               request_id: str = "", echo_prompt_token_ids: bool = False) -> Stream:
+               request_id: str = "", echo_prompt_token_ids: bool = False, n: int = 1,
+               logprobs: bool = False, top_logprobs: int = 0) -> Stream:
         """Start a generation and return its Stream of deltas. Exactly one prompt form:
         `prompt` text, chat `messages` ({"role", "content"} dicts or (role, content) pairs,
         rendered by the model's chat template with `tools`) or `prompt_token_ids`.
-        `constraint` None means unguided. Raises ValueError for a bad combination here and
-        GramserveError (while iterating) for anything the gateway refuses."""
+        `constraint` None means unguided. `n` choices run concurrently, each its own
+        request (with a `seed`, choice i uses seed + i). `logprobs` returns each token's
+        log-probability, with the `top_logprobs` (0-20) most likely alternatives. Raises
+        ValueError for a bad combination here and GramserveError (while iterating) for
+        anything the gateway refuses."""
         req = _request(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
                        tools=tools, constraint=constraint, model=self.model,
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                        top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-                       request_id=request_id, echo_prompt_token_ids=echo_prompt_token_ids)
-        return Stream(self._stub.Generate(req, timeout=self.timeout))
+                       request_id=request_id, echo_prompt_token_ids=echo_prompt_token_ids,
+                       n=n, logprobs=logprobs, top_logprobs=top_logprobs)
+        return Stream(self._stub.Generate(req, timeout=self.timeout), n)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Completion:
-        """Generate to the end and return the Completion; same arguments as `stream`.
-        Raises GramserveError."""
-        stream = self.stream(prompt, **kwargs)
+        """Generate to the end and return the Completion; same arguments as `stream` (n = 1;
+        `generate_n` for more). Raises GramserveError."""
+        return self.generate_n(prompt, **{**kwargs, "n": _one(kwargs)})[0]
+
+    def generate_n(self, prompt: str | None = None, n: int = 1, **kwargs) -> list[Completion]:
+        """Generate `n` choices to the end; their Completions in index order. Same arguments
+        as `stream`. Raises GramserveError."""
+        stream = self.stream(prompt, n=n, **kwargs)
         for _ in stream:
             pass
-        if stream.completion is None:
-            raise GramserveError(grpc.StatusCode.INTERNAL, "the stream ended without a final")
-        return stream.completion
+        return stream._all()
 
     def compile(self, constraint: Constraint) -> Compiled:
         """Check and compile `constraint` without generating. Raises GramserveError
@@ -336,19 +398,20 @@ class Client:
 # ----------------------------------------------------------------------------- asyncio
 
 
-class AsyncStream:
-    """The asyncio Stream: `async for delta in stream`, then `stream.completion`."""
+class AsyncStream(_Choices):
+    """The asyncio Stream: `async for delta in stream`, then `stream.completion` (and
+    `stream.completions` with n > 1)."""
 
-    def __init__(self, call):
+    def __init__(self, call, n: int = 1):
+        super().__init__(n)
         self._call = call
-        self.completion: Completion | None = None
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         try:
             async for resp in self._call:
                 event = _event(resp)
                 if isinstance(event, Completion):
-                    self.completion = event
+                    self._end(event)
                 else:
                     yield event
         except grpc.RpcError as exc:
@@ -379,17 +442,24 @@ class AsyncClient:
 
     def stream(self, prompt: str | None = None, **kwargs) -> AsyncStream:
         """Start a generation; arguments as Client.stream."""
-        req = _request(prompt, model=self.model, **{**_DEFAULTS, **kwargs})
-        return AsyncStream(self._stub.Generate(req, timeout=self.timeout))
+        unknown = set(kwargs) - set(_DEFAULTS)
+        if unknown:
+            raise TypeError(f"stream() got unexpected keyword argument(s) {sorted(unknown)}")
+        args = {**_DEFAULTS, **kwargs}
+        req = _request(prompt, model=self.model, **args)
+        return AsyncStream(self._stub.Generate(req, timeout=self.timeout), args["n"])
 
     async def generate(self, prompt: str | None = None, **kwargs) -> Completion:
-        """Generate to the end; arguments as Client.stream. Raises GramserveError."""
-        stream = self.stream(prompt, **kwargs)
+        """Generate to the end; arguments as Client.stream (n = 1). Raises GramserveError."""
+        return (await self.generate_n(prompt, **{**kwargs, "n": _one(kwargs)}))[0]
+
+    async def generate_n(self, prompt: str | None = None, n: int = 1,
+                         **kwargs) -> list[Completion]:
+        """As Client.generate_n."""
+        stream = self.stream(prompt, n=n, **kwargs)
         async for _ in stream:
             pass
-        if stream.completion is None:
-            raise GramserveError(grpc.StatusCode.INTERNAL, "the stream ended without a final")
-        return stream.completion
+        return stream._all()
 
     async def compile(self, constraint: Constraint) -> Compiled:
         """As Client.compile."""
@@ -411,4 +481,10 @@ class AsyncClient:
 _DEFAULTS: dict[str, Any] = dict(
     messages=None, prompt_token_ids=None, tools=None, constraint=None, max_tokens=None,
     temperature=None, top_p=None, top_k=0, seed=None, stop=(), ignore_eos=False,
-    request_id="", echo_prompt_token_ids=False)
+    request_id="", echo_prompt_token_ids=False, n=1, logprobs=False, top_logprobs=0)
+
+
+def _one(kwargs: dict) -> int:
+    if kwargs.get("n", 1) != 1:
+        raise ValueError("n: generate returns one Completion; use generate_n for n > 1")
+    return 1

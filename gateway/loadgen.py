@@ -9,13 +9,20 @@ errors by status, finish reasons and the schema-valid rate.
 
 Request i is the same whatever the process split: its prompt, schema and seed come from a
 generator seeded with (--seed, i).
+
+`--http URL` sends the same requests to the gateway's OpenAI-compatible API instead
+(streamed `/v1/completions` through the official `openai` SDK, which must be installed; the
+schema as `structured_outputs.json`), so the two fronts are measured with one load. There a
+delta is a server-sent chunk with text, and tokens/delta is the request's completion tokens
+over its chunks.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import asyncio
+import functools
+import hashlib
 import itertools
 import json
 import multiprocessing
@@ -102,6 +109,9 @@ def bench_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--http", default="", metavar="URL",
+                   help="drive the OpenAI-compatible API at URL (http://host:port) instead of "
+                        "gRPC (needs the openai package; --backend auto only)")
 
 
 def schema_prompt(schema: str) -> str:
@@ -144,6 +154,47 @@ def make_request(i: int, ns, schemas: list[str]) -> tuple[gateway_pb2.GenerateRe
     return req, guided
 
 
+async def _one_http(client, model: str, req, guided: bool, timeout: float) -> Outcome:
+    """Request `req` through the OpenAI API (streamed /v1/completions)."""
+    import openai
+
+    out = Outcome(status="OK", guided=guided)
+    extra = {}
+    if guided:
+        extra["structured_outputs"] = {"json": json.loads(req.constraint.json_schema),
+                                       "whitespace": "compact"}
+    start = time.monotonic()
+    last = None
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=req.prompt, max_tokens=req.sampling.max_tokens,
+            temperature=req.sampling.temperature, seed=req.sampling.seed, stream=True,
+            stream_options={"include_usage": True}, extra_body=extra, timeout=timeout)
+        async for chunk in stream:
+            if chunk.usage is not None:
+                out.tokens = chunk.usage.completion_tokens
+            for c in chunk.choices:
+                if c.text:
+                    now = time.monotonic()
+                    if last is None:
+                        out.ttft = now - start
+                    else:
+                        out.gaps.append(now - last)
+                    last = now
+                    out.deltas += 1
+                if c.finish_reason:
+                    out.finish_reason = c.finish_reason
+                    valid = (c.model_extra or {}).get("schema_valid")
+                    if valid is not None:
+                        out.schema_valid = valid
+        out.delta_tokens = out.tokens
+    except openai.APIStatusError as exc:
+        out.status = f"HTTP_{exc.status_code}"
+    except openai.APIError as exc:
+        out.status = type(exc).__name__
+    return out
+
+
 async def _one(stub, req, guided: bool, timeout: float) -> Outcome:
     out = Outcome(status="OK", guided=guided)
     start = time.monotonic()
@@ -184,18 +235,19 @@ def _channels(ns, streams: int) -> list[grpc.aio.Channel]:
             for _ in range(n)]
 
 
-async def _drive(ns, stubs, schemas, indices, streams: int, deadline: float | None,
+async def _drive(ns, senders, schemas, indices, streams: int, deadline: float | None,
                  done=None) -> list[Outcome]:
     """Send request `indices` (an iterator) over `streams` streams until it is exhausted or
-    `deadline` (monotonic) passes; `done()` is called after each request."""
+    `deadline` (monotonic) passes; `done()` is called after each request. `senders` are
+    coroutine functions (request, guided, timeout) -> Outcome, used round-robin."""
     results: list[Outcome] = []
 
     async def stream(k: int):
-        stub = stubs[k % len(stubs)]
+        send = senders[k % len(senders)]
         for i in indices:
             if deadline is not None and time.monotonic() >= deadline:
                 return
-            results.append(await _one(stub, *make_request(i, ns, schemas), ns.timeout))
+            results.append(await send(*make_request(i, ns, schemas), ns.timeout))
             if done is not None:
                 done()
 
@@ -216,11 +268,21 @@ async def _run_part(ns, part: int, parts: int, done=None, ready=None, go=None) -
     `done()` after each timed request. Returns {"start", "end", "results"}."""
     schemas = load_schemas(ns.schema_family, ns.schema)
     streams = ns.concurrency // parts + (part < ns.concurrency % parts)
-    channels = _channels(ns, streams)
-    stubs = [gateway_pb2_grpc.GatewayStub(ch) for ch in channels]
+    channels, http = [], None
+    if ns.http:
+        import openai
+
+        http = openai.AsyncOpenAI(base_url=ns.http.rstrip("/") + "/v1", api_key="unused",
+                                  max_retries=0)
+        model = (await http.models.list()).data[0].id
+        senders = [functools.partial(_one_http, http, model)]
+    else:
+        channels = _channels(ns, streams)
+        senders = [functools.partial(_one, gateway_pb2_grpc.GatewayStub(ch))
+                   for ch in channels]
     try:
         if ns.warmup:
-            await _drive(ns, stubs, schemas, _indices(ns, part, parts, True), streams, None)
+            await _drive(ns, senders, schemas, _indices(ns, part, parts, True), streams, None)
         if ready is not None:
             ready.put(part)
             started = await asyncio.get_running_loop().run_in_executor(
@@ -229,12 +291,14 @@ async def _run_part(ns, part: int, parts: int, done=None, ready=None, go=None) -
                 raise RuntimeError("the other client processes never became ready")
         start = time.monotonic()
         deadline = start + ns.duration if ns.duration > 0 else None
-        results = await _drive(ns, stubs, schemas, _indices(ns, part, parts, False), streams,
+        results = await _drive(ns, senders, schemas, _indices(ns, part, parts, False), streams,
                                deadline, done)
         return {"start": start, "end": time.monotonic(), "results": results}
     finally:
         for ch in channels:
             await ch.close()
+        if http is not None:
+            await http.close()
 
 
 def _child(ns, part: int, parts: int, ready, go, counter, out) -> None:
@@ -257,6 +321,15 @@ def _check(ns) -> None:
         raise ValueError("--streams-per-connection must be >= 1")
     if not 1 <= ns.processes <= ns.concurrency:
         raise ValueError("--processes must be in [1, --concurrency]")
+    if ns.http:
+        if not ns.http.startswith(("http://", "https://")):
+            raise ValueError(f"--http: expected http://host:port, got {ns.http!r}")
+        if ns.backend != "auto":
+            raise ValueError("--backend: the HTTP API has no backend field; use auto with --http")
+        try:
+            import openai  # noqa: F401
+        except ImportError:
+            raise ValueError("--http needs the openai package (pip install openai)") from None
     load_schemas(ns.schema_family, ns.schema)
 
 
@@ -265,7 +338,7 @@ def run_bench(ns: argparse.Namespace) -> dict:
 
     Raises ValueError on bad flags and RuntimeError when a client process fails."""
     for name, default in (("schema_family", "builtin"), ("duration", 0.0), ("warmup", 0),
-                          ("processes", 1)):
+                          ("processes", 1), ("http", "")):
         if not hasattr(ns, name):  # callers that build the Namespace by hand
             setattr(ns, name, default)
     _check(ns)

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 from gateway import openai_responses as orsp
 from gateway import openai_translate as ot
 from gateway.choices import Fanout
+from gateway.tool_calls import Call, ToolCallParser
 from protos import gateway_pb2
 from protos.rpc import ServiceError, public_message
 
@@ -86,6 +87,11 @@ class _ChatStream:
         self.finals: list = [None] * len(plan.requests)
         self._started = [False] * len(plan.requests)
         self._offsets = [0] * len(plan.requests)  # text so far per choice (legacy offsets)
+        auto = plan.tool is not None and plan.tool.format is not None
+        # tool_choice "auto": each choice's text split into content and calls as it arrives
+        self._parsers = [ToolCallParser(plan.tool.format, plan.tool.schemas.keys())
+                         for _ in plan.requests] if auto else None
+        self._calls: list[list[Call]] = [[] for _ in plan.requests]
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": self.plan.id, "object": self.object, "created": self.created,
@@ -95,9 +101,11 @@ class _ChatStream:
         return out
 
     def _call_id(self, i: int) -> str:
-        return f"call_{self.plan.id[-24:]}_{i}"
+        return orsp.call_id(self.plan, i)
 
     def events(self, i: int, event: gateway_pb2.GenerateResponse) -> list[dict]:
+        if self._parsers is not None:
+            return self._auto_events(i, event)
         tool = self.plan.tool
         out = []
         if not self._started[i]:
@@ -126,6 +134,38 @@ class _ChatStream:
             out.append(self.chunk([self._choice(i, delta)]))
         out.append(self.chunk([self._choice(i, {}, orsp.finish_reason(final, calls),
                                             **orsp.schema_fields(final))]))
+        return out
+
+    def _auto_events(self, i: int, event: gateway_pb2.GenerateResponse) -> list[dict]:
+        """tool_choice "auto": content deltas as text arrives, each call whole once parsed."""
+        out = []
+        if not self._started[i]:
+            self._started[i] = True
+            out.append(self.chunk([self._choice(i, {"role": "assistant", "content": ""})]))
+        if event.HasField("delta"):
+            items = self._parsers[i].feed(event.delta.text)
+            lps = orsp.chat_logprobs(self.plan, i, event.delta.logprobs, self.token_bytes)
+            if lps and not items:
+                items = [""]
+        else:
+            orsp.check_final(event.final)
+            items, lps = self._parsers[i].close(), None
+        for item in items:
+            if isinstance(item, Call):
+                k = len(self._calls[i])
+                self._calls[i].append(item)
+                delta = {"tool_calls": [{"index": k,
+                                         **orsp.call_object(self.plan, i, k, item)}]}
+            else:
+                delta = {"content": item}
+            out.append(self.chunk([self._choice(i, delta, logprobs=lps)]))
+            lps = None  # a delta's logprobs go with its first chunk
+        if event.HasField("final"):
+            final = self.finals[i] = event.final
+            calls = self._calls[i]
+            out.append(self.chunk([self._choice(
+                i, {}, orsp.finish_reason(final, calls),
+                **orsp.calls_schema_fields(self.plan.tool, calls))]))
         return out
 
     def _choice(self, i: int, delta: dict, finish: str | None = None, logprobs=None,
@@ -276,9 +316,12 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
                             for i, f in enumerate(finals)],
                 "usage": orsp.usage(plan, finals)}
 
+    def chat_plan(body, limits):
+        return ot.chat_plan(body, limits, servicer.chat_template)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run(request, ot.chat_plan, _ChatStream, ("chat.completion", orsp.chat_choice))
+        return await run(request, chat_plan, _ChatStream, ("chat.completion", orsp.chat_choice))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

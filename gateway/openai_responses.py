@@ -11,6 +11,9 @@ import re
 import grpc
 
 from gateway.openai_translate import OpenAIError, Plan, ToolPlan
+from gateway.tool_calls import Call
+from gateway.tool_calls import parse as parse_calls
+from gateway.validation import check_output_against_schema
 from protos import common_pb2, gateway_pb2
 from protos.rpc import ServiceError
 
@@ -77,8 +80,9 @@ def finish_reason(final: gateway_pb2.Final, tool_calls: list | None) -> str:
 
 
 def tool_calls(text: str, tool: ToolPlan | None, call_id: str) -> list[dict] | None:
-    """The tool call the output text encodes, or None when it does not parse as one."""
-    if tool is None:
+    """The tool call the output text encodes, or None when it does not parse as one
+    (tool_choice "required" or a named function; "auto" is `auto_message`)."""
+    if tool is None or tool.format is not None:
         return None
     try:
         value = json.loads(text)
@@ -113,13 +117,50 @@ def usage(plan: Plan, finals: list[gateway_pb2.Final]) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def call_id(plan: Plan, index: int, k: int = 0) -> str:
+    """The id of choice `index`'s call `k`."""
+    return f"call_{plan.id[-24:]}_{index}" + (f"_{k}" if k else "")
+
+
+def call_object(plan: Plan, index: int, k: int, call: Call) -> dict:
+    """An OpenAI tool call of choice `index` (its call `k`)."""
+    return {"id": call_id(plan, index, k), "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def calls_schema_fields(tool: ToolPlan, calls: list[Call]) -> dict:
+    """schema_valid (and schema_error) of tool_choice "auto" calls: every call's arguments
+    checked against its function's `parameters`; nothing when there is no call."""
+    for k, call in enumerate(calls):
+        valid, why = check_output_against_schema(tool.schemas[call.name], call.arguments)
+        if not valid:
+            return {"schema_valid": False, "schema_error": f"tool call {k} ({call.name}): {why}"}
+    return {"schema_valid": True} if calls else {}
+
+
+def auto_message(plan: Plan, index: int, text: str) -> tuple[dict, list[Call]]:
+    """The assistant message of a tool_choice "auto" output: its content (None when only
+    whitespace surrounds calls) and its `tool_calls` in the template's format."""
+    content, calls = parse_calls(plan.tool.format, plan.tool.schemas.keys(), text)
+    message = {"role": "assistant",
+               "content": None if calls and not content.strip() else content}
+    if calls:
+        message["tool_calls"] = [call_object(plan, index, k, c) for k, c in enumerate(calls)]
+    return message, calls
+
+
 def chat_choice(plan: Plan, index: int, final: gateway_pb2.Final, token_bytes) -> dict:
-    calls = tool_calls(final.text, plan.tool, f"call_{plan.id[-24:]}_{index}")
+    lps = chat_logprobs(plan, index, final.logprobs, token_bytes)
+    if plan.tool is not None and plan.tool.format is not None:
+        message, calls = auto_message(plan, index, final.text)
+        return {"index": index, "message": message, "logprobs": lps,
+                "finish_reason": finish_reason(final, calls),
+                **calls_schema_fields(plan.tool, calls)}
+    calls = tool_calls(final.text, plan.tool, call_id(plan, index))
     message = {"role": "assistant", "content": None if calls else final.text}
     if calls:
         message["tool_calls"] = calls
-    return {"index": index, "message": message,
-            "logprobs": chat_logprobs(plan, index, final.logprobs, token_bytes),
+    return {"index": index, "message": message, "logprobs": lps,
             "finish_reason": finish_reason(final, calls), **schema_fields(final)}
 
 

@@ -17,12 +17,16 @@ Supported, beyond the plain sampling fields:
 - `tools` with `tool_choice` `"required"` or `{"type": "function", "function": {"name"}}`:
   the output is the call's arguments under the function's `parameters` schema (one
   candidate function), or, with several candidates, `{"name": ..., "arguments": ...}` under
-  an `anyOf` of one object per function. `"none"` generates text; `"auto"` is refused.
+  an `anyOf` of one object per function. `"none"` generates text. `"auto"` (the default
+  with `tools`) needs a chat template whose tool-call format gramserve knows
+  (gateway/tool_calls.py): the output is free text or calls in that format, each call's
+  arguments under its function's `parameters` (a structural tag); `parallel_tool_calls:
+  false` allows at most one call. A template without one is a 400 naming `tool_choice`.
 - Extensions mapped 1:1 to SamplingParams: `top_k`, `min_p`, `min_tokens`, `ignore_eos`,
   `stop_token_ids`; `request_timeout` (seconds): the request's deadline (504 past it).
 
-Refused with a 400 naming the field, never ignored: `logprobs`, `top_logprobs`,
-`presence_penalty` / `frequency_penalty` other than 0, `logit_bias`, `functions` /
+Refused with a 400 naming the field, never ignored: `presence_penalty` /
+`frequency_penalty` other than 0, `logit_bias`, `functions` /
 `function_call`, `audio`, non-text `modalities`, `prediction`, `web_search_options`, and for
 completions `echo`, `suffix`, `best_of` other than `n`.
 """
@@ -35,7 +39,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from gateway.choices import MAX_N, choice_requests
+from gateway.tool_calls import ToolFormat, auto_structural_tag
+from gateway.tool_calls import tool_format as tool_format_of
 from gateway.validation import Limits, validate_sampling
+from grammar_service.specs import DEFAULT_MAX_WHITESPACE
 from protos import common_pb2, gateway_pb2
 from protos.rpc import InvalidArgument
 
@@ -76,10 +83,15 @@ def bad(param: str | None, message: str) -> OpenAIError:
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """How the output becomes a tool call: `name` set → the text is that function's
-    arguments; None → the text is {"name", "arguments"} (several candidates)."""
+    """How the output becomes tool calls: `format` set (tool_choice "auto") → text and calls
+    in the chat template's format, parsed by gateway/tool_calls.py, `schemas` (name → the
+    function's `parameters` as JSON text) checks each call's arguments; else `name` set →
+    the text is that function's arguments; None → the text is {"name", "arguments"}
+    (several candidates)."""
 
     name: str | None
+    format: ToolFormat | None = None
+    schemas: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -251,7 +263,8 @@ def _schema_text(value, param: str) -> str:
     return json.dumps(value)
 
 
-def _constraint(body: dict, plan: Plan, endpoint: str) -> common_pb2.GrammarSpec:
+def _constraint(body: dict, plan: Plan, endpoint: str,
+                chat_template: str | None) -> common_pb2.GrammarSpec:
     spec = common_pb2.GrammarSpec()
     rf = _get(body, "response_format", dict)
     so = _get(body, "structured_outputs", dict, {})
@@ -271,8 +284,9 @@ def _constraint(body: dict, plan: Plan, endpoint: str) -> common_pb2.GrammarSpec
     if so:
         _structured_outputs(so, spec, plan)
     if endpoint == "chat":
-        _tools(body, tools, spec, plan)
-    _whitespace(spec.options, so, plan)
+        _tools(body, tools, spec, plan, chat_template)
+    if plan.tool is None or plan.tool.format is None:  # "auto" bounds it inside the tag
+        _whitespace(spec.options, so, plan)
     return spec
 
 
@@ -326,8 +340,10 @@ def _structured_outputs(so: dict, spec: common_pb2.GrammarSpec, plan: Plan) -> N
         setattr(spec, "regex" if kind == "regex" else "ebnf", value)
 
 
-def _tools(body: dict, tools: list, spec: common_pb2.GrammarSpec, plan: Plan) -> None:
+def _tools(body: dict, tools: list, spec: common_pb2.GrammarSpec, plan: Plan,
+           chat_template: str | None) -> None:
     choice = body.get("tool_choice")
+    tool_format = tool_format_of(chat_template)
     if not tools:
         if choice not in (None, "none"):
             raise bad("tool_choice", "needs `tools`")
@@ -335,9 +351,12 @@ def _tools(body: dict, tools: list, spec: common_pb2.GrammarSpec, plan: Plan) ->
     if choice == "none":
         return
     if choice is None or choice == "auto":
-        raise bad("tool_choice", '"auto" (the default with `tools`) is not supported: the '
-                                 'server cannot tell a call from text yet; send "required" or '
-                                 '{"type": "function", "function": {"name": ...}}')
+        if tool_format is None:
+            raise bad("tool_choice", '"auto" (the default with `tools`) needs a chat template '
+                                     'with a tool-call format gramserve knows (Hermes/Qwen '
+                                     '<tool_call>, Llama 3.x JSON); this model\'s has none: '
+                                     'send "required", {"type": "function", "function": '
+                                     '{"name": ...}} or "none"')
     functions = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -353,6 +372,10 @@ def _tools(body: dict, tools: list, spec: common_pb2.GrammarSpec, plan: Plan) ->
         if not isinstance(params, dict):
             raise bad(f"tools[{i}].function.parameters", "must be a JSON Schema object")
         functions[name] = (i, params, bool(fn.get("strict")))
+    if choice is None or choice == "auto":
+        _auto_tools(body, functions, tool_format, spec, plan,
+                    reasoning="<think>" in (chat_template or ""))
+        return
     if choice == "required":
         names = list(functions)
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
@@ -361,7 +384,7 @@ def _tools(body: dict, tools: list, spec: common_pb2.GrammarSpec, plan: Plan) ->
             raise bad("tool_choice.function.name", f"no tool named {name!r} in `tools`")
         names = [name]
     else:
-        raise bad("tool_choice", 'must be "none", "required" or '
+        raise bad("tool_choice", 'must be "none", "auto", "required" or '
                                  '{"type": "function", "function": {"name": ...}}')
     if len(names) == 1:
         i, params, strict = functions[names[0]]
@@ -376,6 +399,28 @@ def _tools(body: dict, tools: list, spec: common_pb2.GrammarSpec, plan: Plan) ->
     spec.options.strict = all(functions[n][2] for n in names)
     plan.params["constraint"] = "tools"
     plan.tool = ToolPlan(name=None)
+
+
+def _auto_tools(body: dict, functions: dict, fmt: ToolFormat, spec: common_pb2.GrammarSpec,
+                plan: Plan, reasoning: bool) -> None:
+    """tool_choice "auto": text or calls in the template's format (a structural tag)."""
+    parallel = _get(body, "parallel_tool_calls", bool, True)
+    so = body.get("structured_outputs") or {}
+    ws = so.get("whitespace", "bounded")
+    if ws not in _WHITESPACE:
+        raise bad("structured_outputs.whitespace", f"must be one of {', '.join(_WHITESPACE)}")
+    # xgrammar's tags bound whitespace runs but cannot forbid them: compact allows one.
+    max_ws = {"bounded": DEFAULT_MAX_WHITESPACE, "compact": 1, "any": None}[ws]
+    schemas = {name: params for name, (_, params, _) in functions.items()}
+    try:
+        spec.structural_tag = auto_structural_tag(
+            fmt, schemas, parallel=parallel, max_whitespace=max_ws,
+            reasoning=reasoning)
+    except ValueError as exc:  # xgrammar's checks of the tools (pydantic)
+        raise bad("tools", f"cannot build the tool-call grammar: {exc}") from None
+    plan.params["constraint"] = "tools"
+    plan.tool = ToolPlan(name=None, format=fmt,
+                         schemas={n: json.dumps(p) for n, p in schemas.items()})
 
 
 def _content(value, param: str) -> str:
@@ -415,7 +460,7 @@ def _messages(body: dict) -> list[gateway_pb2.ChatMessage]:
     return out
 
 
-def _common(body: dict, endpoint: str, limits: Limits) -> tuple[
+def _common(body: dict, endpoint: str, limits: Limits, chat_template: str | None = None) -> tuple[
         Plan, int, common_pb2.SamplingParams, common_pb2.GrammarSpec]:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
@@ -435,7 +480,7 @@ def _common(body: dict, endpoint: str, limits: Limits) -> tuple[
         raise bad("request_timeout", "must be a number of seconds > 0")
     plan.timeout = timeout
     sampling = _sampling(body, plan, endpoint, limits)
-    spec = _constraint(body, plan, endpoint)
+    spec = _constraint(body, plan, endpoint, chat_template)
     plan.params.update({"model": "model", "request": "request"})
     return plan, n, sampling, spec
 
@@ -447,10 +492,11 @@ def _fan_out(plan: Plan, base: gateway_pb2.GenerateRequest, n: int, prompt_index
         plan.prompt_of.append(prompt_index)
 
 
-def chat_plan(body: dict, limits: Limits) -> Plan:
+def chat_plan(body: dict, limits: Limits, chat_template: str | None = None) -> Plan:
     """Translate a /v1/chat/completions body for a gateway of `limits` (its vocabulary bounds
-    stop_token_ids). Raises OpenAIError (400) naming the field."""
-    plan, n, sampling, spec = _common(body, "chat", limits)
+    stop_token_ids) serving a model with `chat_template` (its tool-call format serves
+    tool_choice "auto"). Raises OpenAIError (400) naming the field."""
+    plan, n, sampling, spec = _common(body, "chat", limits, chat_template)
     base = gateway_pb2.GenerateRequest(model=_model(body), messages=_messages(body),
                                        sampling=sampling, constraint=spec)
     tools = body.get("tools")

@@ -180,6 +180,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return self._vocab.token_bytes(token_id)
 
     @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (its tool-call format serves tool_choice "auto")."""
+        return self._vocab.chat_template
+
+    @property
     def limits(self) -> Limits:
         """The bounds every request is validated against (the HTTP translation's too)."""
         return self._limits

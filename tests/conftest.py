@@ -29,7 +29,7 @@ class RealSystem:
 
     def __init__(self, log_dir: Path, tp: int = 2, slots: int = 8, model: str | None = None,
                  grammar_args: tuple[str, ...] = (), rank_args: tuple[str, ...] = (),
-                 tls: dict | None = None):
+                 tls: dict | None = None, max_model_len: int = MAX_MODEL_LEN):
         """`grammar_args` and `rank_args` are extra flags; `tls` ({"tls_ca", "tls_identity"}
         for protos.rpc.check_health) reaches internal servers that require mutual TLS."""
         self.log_dir = log_dir
@@ -51,7 +51,7 @@ class RealSystem:
                 "gpu_worker", "--rank", str(r), "--tp", str(tp),
                 "--dist-addr", f"127.0.0.1:{dist}", "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", str(mport), "--grammar-service", self.grammar,
-                "--device", "cpu", "--slots", str(slots), "--max-model-len", str(MAX_MODEL_LEN),
+                "--device", "cpu", "--slots", str(slots), "--max-model-len", str(max_model_len),
                 "--torch-threads", "1", *self._model, *rank_args]))
         self.gateways: list[str] = []
         self.gateway_metrics: list[str] = []

@@ -107,10 +107,49 @@ def test_async_client_generates_streams_compiles_and_raises(gramserve_system):
             models = await c.models()
             with pytest.raises(GramserveError) as bad:
                 await c.generate("x", max_tokens=-1)
-            return out, text, stream.completion, compiled, models, bad.value
+            pair = await c.generate_n("Pick:", n=2, constraint=Choice(["yes", "no"]), seed=2,
+                                      logprobs=True, top_logprobs=1)
+            return out, text, stream.completion, compiled, models, bad.value, pair
 
-    out, text, completion, compiled, models, err = asyncio.run(main())
+    out, text, completion, compiled, models, err, pair = asyncio.run(main())
+    assert [p.index for p in pair] == [0, 1] and pair[0].text == out.text
+    for p in pair:
+        _consistent(p, 1)
     assert out.text in ("yes", "no") and out.finish_reason == "grammar_completed"
     assert len(text) == 4 and text.isdigit() and completion.text == text
     assert compiled.kind == "json_schema" and len(models) == 1
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.field == "sampling.max_tokens"
+
+
+def _consistent(out: Completion, top: int) -> None:
+    """One logprob per token; where the chosen token is among the alternatives, the same
+    value; alternatives most likely first and never more than asked."""
+    assert len(out.logprobs) == out.completion_tokens > 0
+    for lp in out.logprobs:
+        assert lp.logprob <= 0.0 and len(lp.top) <= top
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        for token, value in lp.top:
+            if token == lp.token_id:
+                assert value == pytest.approx(lp.logprob, abs=1e-5)
+
+
+def test_n_choices_with_logprobs_stream_apart_and_complete_together(client):
+    stream = client.stream("Count:", constraint=Regex("[0-9]{3}"), n=3, seed=40,
+                           logprobs=True, top_logprobs=2)
+    texts, lps = ["", "", ""], [[], [], []]
+    for d in stream:
+        texts[d.index] += d.text
+        lps[d.index] += d.logprobs
+    outs = stream.completions
+    assert [o.index for o in outs] == [0, 1, 2] and stream.completion is outs[0]
+    assert [o.seed for o in outs] == [40, 41, 42]
+    for i, out in enumerate(outs):
+        assert out.text == texts[i] and len(out.text) == 3 and out.text.isdigit()
+        assert list(out.logprobs) == lps[i]
+        _consistent(out, 2)
+    assert len({o.text for o in outs}) > 1  # three samples, not one copied
+    again = client.generate_n("Count:", n=3, constraint=Regex("[0-9]{3}"), seed=40)
+    assert [o.text for o in again] == texts and not again[0].logprobs
+    with pytest.raises(ValueError, match="generate_n"):
+        client.generate("x", n=2)

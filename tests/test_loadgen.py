@@ -122,3 +122,12 @@ def test_bench_exit_status_is_1_when_the_server_is_gone(capsys):
     ns = _ns(addr="127.0.0.1:1", requests=2, concurrency=2, timeout=2.0, json=True)
     assert loadgen.bench_main(ns) == 1
     assert json.loads(capsys.readouterr().out)["errors"] == {"UNAVAILABLE": 2}
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(http="localhost:8000"), "--http"),
+    (dict(http="http://127.0.0.1:8000", backend="xgrammar"), "--backend"),
+])
+def test_http_mode_flag_errors_name_the_flag(kw, words):
+    with pytest.raises(ValueError, match=words):
+        loadgen.run_bench(_ns(no_progress=True, **kw))

@@ -323,3 +323,20 @@ def test_logprobs_are_present_and_consistent(client, model):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
     for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) <= 2 and top[tok] == pytest.approx(value)
+
+
+def test_gramserve_bench_drives_the_http_api_like_grpc(system):
+    """`gramserve bench --http` sends the same request mix through the OpenAI API."""
+    import argparse
+
+    from gateway import loadgen
+
+    p = argparse.ArgumentParser()
+    loadgen.bench_parser(p)
+    ns = p.parse_args(["--no-progress", "--http", system.http_url(0), "--requests", "8",
+                       "--concurrency", "4", "--max-tokens", "12", "--structured-ratio", "0.5",
+                       "--timeout", "120"])
+    s = loadgen.run_bench(ns)
+    assert (s["requests"], s["ok"], s["errors"]) == (8, 8, {}), s
+    assert s["output_tokens_per_second"] > 0 and s["tokens_per_delta"] > 0
+    assert s["schema_checked"] > 0 and s["schema_valid_rate"] == 1.0, s

@@ -1,4 +1,4 @@
-"""Real tokenizers of four families (tests/data/tokenizers, sources and licences in its README):
+"""Real tokenizers of six families (tests/data/tokenizers, sources and licences in its README):
 gramserve's vocabulary equals transformers' and xgrammar's, chat prompts equal
 `apply_chat_template` (a Llama-3.2 template with `strftime_now` from a separate
 chat_template.jinja included), and a JSON-schema request is compiled by the grammar service and
@@ -33,6 +33,9 @@ FAMILIES = {
                              eos_token_id=[128001, 128008, 128009])),
     "gemma3": ("Llama", dict(vocab_size=262208, bos_token_id=2, eos_token_id=[1, 106])),
     "llama2": ("Mistral", dict(vocab_size=32000, bos_token_id=1, eos_token_id=2)),
+    "mistral_nemo": ("Mistral", dict(vocab_size=131072, bos_token_id=1, eos_token_id=2)),
+    "phi3": ("Phi3", dict(vocab_size=32064, bos_token_id=1, eos_token_id=[32000, 32007],
+                          pad_token_id=32000)),
 }
 TEXTS = ['{"name": "José García", "age": 42, "tags": ["a", "🚀"]}',
          "Grüße aus München, 東京 and 😀 — prose.\n\tdef f(x): return x * 2"]
@@ -93,7 +96,7 @@ def test_vocabulary_equals_transformers_and_xgrammar(model):
 
 def test_chat_prompt_equals_apply_chat_template(model):
     family, _, vocab, hf = model
-    tools_cases = [None, TOOLS] if family in ("qwen3", "llama3") else [None]
+    tools_cases = [None, TOOLS] if family in ("qwen3", "llama3", "mistral_nemo") else [None]
     for tools in tools_cases:
         ours = chat_prompt_ids(vocab, [ChatMessage(**m) for m in MESSAGES], tools)
         theirs = hf.apply_chat_template(MESSAGES, tools=tools, add_generation_prompt=True,

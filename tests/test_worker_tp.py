@@ -14,6 +14,7 @@ from constraints import constraint_mix, is_valid
 from worker_procs import (
     AdmitError,
     GroupClient,
+    compile_ref,
     compile_spec,
     metric,
     start_grammar_service,
@@ -126,6 +127,44 @@ def test_slot_reuse_300_requests_cycling_constraints(system):
         alone, _ = system["tp1"].generate(f"fresh-{n}", v.encode(f"r {n}"), max_tokens=12,
                                           seed=seed)
         assert alone == toks, n
+    wait_idle(system["tp2_metrics"])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_tp2_each_backend_forced_serves_valid_outputs_through_reused_slots(system, backend):
+    """Every guided constraint compiled by one backend (forced), 40 requests through 4 slots
+    at TP=2 mixed with unguided ones: each rank builds that backend's matchers (I1), the
+    ranks stay in lockstep (no divergence), every guided output is valid and completed by
+    its grammar, and the slots come back (I5)."""
+    mix = constraint_mix()
+    forced = {"xgrammar": common_pb2.GRAMMAR_BACKEND_XGRAMMAR,
+              "llguidance": common_pb2.GRAMMAR_BACKEND_LLGUIDANCE}[backend]
+    refs = {}
+    for i, (kind, arg) in enumerate(mix):
+        if kind != "none":
+            key, spec, ref = compile_ref(system["grammar"], kind, arg, forced)
+            assert ref.backend == backend, (kind, ref)
+            refs[i] = (key, spec)
+    v = system["vocab"]
+    before = [metric(u, "gramserve_worker_tp_divergence_total") for u in system["tp2_metrics"]]
+
+    def one(n):
+        i = n % len(mix)
+        key, spec = refs.get(i, ("", None))
+        toks, fin = system["tp2"].generate(f"{backend}-{n}", v.encode(f"{backend} {n}"),
+                                           key=key, spec=spec, seed=n,
+                                           max_tokens=48 if key else 8)
+        return i, v.decode(toks), fin
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(40)))
+    for i, text, fin in results:
+        kind, arg = mix[i]
+        if kind != "none":
+            assert fin.reason == common_pb2.FINISH_REASON_GRAMMAR_COMPLETED, (kind, fin)
+            assert is_valid(kind, arg, text), (kind, text)
+    after = [metric(u, "gramserve_worker_tp_divergence_total") for u in system["tp2_metrics"]]
+    assert after == before
     wait_idle(system["tp2_metrics"])
 
 

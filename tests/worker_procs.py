@@ -44,20 +44,32 @@ def start_group(model_dir: Path, grammar_addr: str, log_dir: Path, tp: int = 2, 
     return proc, addrs, [f"http://127.0.0.1:{mbase + r}/metrics" for r in range(tp)]
 
 
-def compile_spec(grammar_addr: str, kind: str, arg) -> tuple[str, common_pb2.GrammarSpec]:
-    opts = common_pb2.GrammarOptions(whitespace=common_pb2.WHITESPACE_COMPACT)
+def compile_spec(grammar_addr: str, kind: str, arg,
+                 backend: int = common_pb2.GRAMMAR_BACKEND_AUTO,
+                 ) -> tuple[str, common_pb2.GrammarSpec]:
+    """Compile one constraint of `constraints.constraint_mix` (on `backend` when one is
+    forced); return (key, spec)."""
+    return compile_ref(grammar_addr, kind, arg, backend)[:2]
+
+
+def compile_ref(grammar_addr: str, kind: str, arg,
+                backend: int = common_pb2.GRAMMAR_BACKEND_AUTO,
+                ) -> tuple[str, common_pb2.GrammarSpec, grammar_pb2.GrammarRef]:
+    """As compile_spec, with the service's GrammarRef (which backend compiled it)."""
+    opts = common_pb2.GrammarOptions(backend=backend)
     if kind == "json_schema":
+        opts.whitespace = common_pb2.WHITESPACE_COMPACT
         spec = common_pb2.GrammarSpec(json_schema=json.dumps(arg), options=opts)
     elif kind == "regex":
-        spec = common_pb2.GrammarSpec(regex=arg)
+        spec = common_pb2.GrammarSpec(regex=arg, options=opts)
     elif kind == "choice":
-        spec = common_pb2.GrammarSpec(choice=common_pb2.ChoiceList(choices=arg))
+        spec = common_pb2.GrammarSpec(choice=common_pb2.ChoiceList(choices=arg), options=opts)
     else:
         raise ValueError(kind)
     with channel(grammar_addr) as ch:
         ref = grammar_pb2_grpc.GrammarServiceStub(ch).Compile(
             grammar_pb2.CompileRequest(spec=spec), timeout=60)
-    return ref.key, spec
+    return ref.key, spec, ref
 
 
 class AdmitError(Exception):

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from grammar_service.backends import LLGuidanceMatcher
-
 
 @dataclass
 class RowJob:
