@@ -4,6 +4,12 @@ Plain Python and asyncio (no grpc, no torch). Free slots are tracked from this g
 bookkeeping plus each group's Info; other gateways may share a group, so a group that
 answers RESOURCE_EXHAUSTED is treated as full until one of our requests leaves it or
 `backoff_seconds` pass.
+
+Groups fail and come back (a supervisor restarts a group whose rank died). Each return to
+rotation starts a new `generation` of the group; a request that failed on a group excludes
+that group's generation only, so it may run on the same group once it has been restarted.
+When no group is usable a request waits up to `unavailable_wait` seconds (within its
+deadline) for one to come back, then fails with UNAVAILABLE naming every group's reason.
 """
 
 from __future__ import annotations
@@ -29,11 +35,17 @@ class GroupState:
     full_until: float = 0.0
     reason: str = "not checked yet"
     max_model_len: int = 0
+    generation: int = 0  # +1 each time the group comes (back) into rotation
     info: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return f"group{self.index}"
+
+    @property
+    def incarnation(self) -> tuple[int, int]:
+        """(index, generation): what a failed request excludes."""
+        return self.index, self.generation
 
     def has_room(self, now: float) -> bool:
         return self.healthy and self.in_use < self.num_slots and now >= self.full_until
@@ -48,41 +60,49 @@ class Router:
     """
 
     def __init__(self, groups: list[GroupState], max_queue: int, *,
-                 backoff_seconds: float = 0.05,
+                 backoff_seconds: float = 0.05, unavailable_wait: float = 0.0,
                  on_change: Callable[[int, int, int], None] | None = None):
+        if unavailable_wait < 0:
+            raise ValueError(f"unavailable_wait must be >= 0, got {unavailable_wait}")
         self.groups = groups
         self.max_queue = max_queue
         self.backoff_seconds = backoff_seconds
-        self._queue: deque[asyncio.Event] = deque()  # one wake-up event per waiter, FIFO
+        self.unavailable_wait = unavailable_wait
+        # One (wake-up event, exclusions) per waiter, FIFO.
+        self._queue: deque[tuple[asyncio.Event, frozenset]] = deque()
         self._on_change = on_change or (lambda *_: None)
 
     # -- requests -------------------------------------------------------------------------
 
     async def acquire(self, *, deadline: float | None = None,
-                      exclude: frozenset[int] = frozenset(), retry: bool = False) -> GroupState:
+                      exclude: frozenset[tuple[int, int]] = frozenset(),
+                      retry: bool = False) -> GroupState:
         """Take a slot in the least-loaded healthy group, waiting in FIFO order if needed.
 
-        `deadline` is a time.monotonic() value. `exclude` lists group indices not to use
-        (they already failed this request). `retry` requests (sent back by a worker that
-        was full) skip the queue bound. Counts the slot as in use; give it back with
-        `release`. Raises ResourceExhausted (queue full), Unavailable (no healthy group) or
-        DeadlineExceeded; a cancelled caller leaves the queue.
+        `deadline` is a time.monotonic() value. `exclude` lists group incarnations
+        ((index, generation), see GroupState.incarnation) not to use: they already failed
+        this request. `retry` requests (sent back by a worker that was full, or after a
+        group failed) skip the queue bound. Counts the slot as in use; give it back with
+        `release`. Raises ResourceExhausted (queue full), Unavailable (no usable group, and
+        none came back within `unavailable_wait`) or DeadlineExceeded; a cancelled caller
+        leaves the queue.
         """
         group = self._pick(exclude) if not self._queue else None
         if group is not None:
             return self._take(group)
-        self._check_available(exclude)
+        since = time.monotonic()
+        self._check_available(exclude, since)
         if len(self._queue) >= self.max_queue and not retry:
             raise ResourceExhausted(
                 f"every slot is busy and {len(self._queue)} requests are queued "
                 f"(--max-queue {self.max_queue}); retry later")
-        wake = asyncio.Event()
-        self._queue.append(wake)
+        entry = (asyncio.Event(), exclude)
+        self._queue.append(entry)
         self._changed()
         try:
-            return await self._wait(wake, deadline, exclude)
+            return await self._wait(entry, deadline, since)
         finally:
-            self._queue.remove(wake)
+            self._queue.remove(entry)
             self._changed()
             self._wake_all()
 
@@ -106,7 +126,10 @@ class Router:
 
     def set_health(self, group: GroupState, healthy: bool, reason: str = "", *,
                    num_slots: int | None = None, max_model_len: int | None = None) -> None:
-        """Take a group out of (or put it back into) rotation; wakes the queue."""
+        """Take a group out of (or put it back into) rotation; wakes the queue. Coming back
+        starts a new generation of the group."""
+        if healthy and not group.healthy:
+            group.generation += 1
         group.healthy = healthy
         group.reason = reason
         if num_slots is not None:
@@ -125,9 +148,10 @@ class Router:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _pick(self, exclude: frozenset[int]) -> GroupState | None:
+    def _pick(self, exclude: frozenset[tuple[int, int]]) -> GroupState | None:
         now = time.monotonic()
-        candidates = [g for g in self.groups if g.index not in exclude and g.has_room(now)]
+        candidates = [g for g in self.groups
+                      if g.incarnation not in exclude and g.has_room(now)]
         if not candidates:
             return None
         return min(candidates, key=lambda g: (g.in_use / g.num_slots, g.in_use, g.index))
@@ -137,25 +161,49 @@ class Router:
         self._changed()
         return group
 
-    def _check_available(self, exclude: frozenset[int]) -> None:
-        if not any(g.healthy and g.index not in exclude for g in self.groups):
-            bad = "; ".join(f"{g.name}: {g.reason}" for g in self.groups
-                            if not g.healthy) or "every group already failed this request"
-            raise Unavailable(f"no healthy worker group ({bad})")
+    def _check_available(self, exclude: frozenset[tuple[int, int]], since: float) -> None:
+        """Raise Unavailable unless a usable group is healthy, or one is out of rotation (it
+        may come back) and the request has waited less than `unavailable_wait`."""
+        if any(g.healthy and g.incarnation not in exclude for g in self.groups):
+            return
+        down = [g for g in self.groups if not g.healthy]
+        if down and time.monotonic() - since < self.unavailable_wait:
+            return
+        bad = "; ".join(f"{g.name}: {g.reason}" for g in down) \
+            or "every group already failed this request"
+        waited = f" after waiting {self.unavailable_wait:g} s for one to come back" \
+            if down and self.unavailable_wait else ""
+        raise Unavailable(f"no healthy worker group{waited} ({bad})")
 
-    async def _wait(self, wake: asyncio.Event, deadline, exclude) -> GroupState:
+    def _my_turn(self, entry) -> bool:
+        """FIFO, except that a waiter no group can take now (its groups are down or
+        excluded) does not hold up those behind it."""
+        for ahead in self._queue:
+            if ahead is entry:
+                return True
+            if self._pick(ahead[1]) is not None:
+                return False
+        return False
+
+    async def _wait(self, entry, deadline, since: float) -> GroupState:
+        wake, exclude = entry
         while True:
             wake.clear()
-            if self._queue[0] is wake:
+            if self._my_turn(entry):
                 group = self._pick(exclude)
                 if group is not None:
                     return self._take(group)
-            self._check_available(exclude)
+            self._check_available(exclude, since)
             # Woken by releases and health changes; the short timeout covers backoffs ending.
             timeout = self.backoff_seconds
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if not any(g.healthy and g.incarnation not in exclude for g in self.groups):
+                        raise DeadlineExceeded(
+                            "the deadline expired while waiting for a worker group to come "
+                            "back (" + "; ".join(f"{g.name}: {g.reason}" for g in self.groups
+                                                 if not g.healthy) + ")")
                     raise DeadlineExceeded("the deadline expired while queued for a slot")
                 timeout = min(timeout, left)
             try:
@@ -164,7 +212,7 @@ class Router:
                 pass
 
     def _wake_all(self) -> None:
-        for wake in self._queue:
+        for wake, _ in self._queue:
             wake.set()
 
     def _changed(self) -> None:

@@ -25,6 +25,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Clients reconnect to a restarted server within about a second: gRPC's default backoff
+# grows to two minutes, which would keep a restarted worker group or grammar service out of
+# use long after it serves again.
+_CLIENT_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class ServiceError(Exception):
@@ -262,16 +270,16 @@ def set_serving(health_servicer, names: Iterable[str], serving: bool) -> None:
 def channel(address: str, *, tls_ca: bytes | None = None) -> grpc.Channel:
     """A client channel with gramserve's message limits (TLS when a CA PEM is given)."""
     if tls_ca is not None:
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), CHANNEL_OPTIONS)
-    return grpc.insecure_channel(address, CHANNEL_OPTIONS)
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca), _CLIENT_OPTIONS)
+    return grpc.insecure_channel(address, _CLIENT_OPTIONS)
 
 
 def aio_channel(address: str, *, tls_ca: bytes | None = None) -> grpc.aio.Channel:
     """An asyncio client channel with gramserve's message limits (TLS when a CA is given)."""
     if tls_ca is not None:
         return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls_ca),
-                                       CHANNEL_OPTIONS)
-    return grpc.aio.insecure_channel(address, CHANNEL_OPTIONS)
+                                       _CLIENT_OPTIONS)
+    return grpc.aio.insecure_channel(address, _CLIENT_OPTIONS)
 
 
 def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
