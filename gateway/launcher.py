@@ -386,6 +386,9 @@ def up_main(ns: argparse.Namespace) -> int:
         system._say(f"gramserve is up: gateway {system.addresses['gateway'][0]}")
         if system.http_url:
             system._say(f"  OpenAI-compatible HTTP API: {system.http_url}")
+        for name, addrs in system.addresses.items():
+            if name.startswith("group"):
+                system._say(f"  {name} ranks: {','.join(addrs)}")
         for url in system.metrics_urls:
             system._say(f"  metrics {url}")
         system._say("Ctrl-C stops everything (after draining running requests).")
