@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                 if n % 500 == 0:
                     print(f"  {n} done, {time.monotonic() - t0:.0f} s", flush=True)
         wall = time.monotonic() - t0
+        deadline = time.monotonic() + 180  # the restarted group must be back to be read
+        while "at" in kill and "back" not in kill and time.monotonic() < deadline:
+            time.sleep(0.5)
         time.sleep(3.0)  # let releases land
         leaks = {role: metric(url, "gramserve_worker_slots_in_use")
                  for role, url in stack.metrics.items() if "rank" in role}
