@@ -87,7 +87,10 @@ class Router:
         none came back within `unavailable_wait`) or DeadlineExceeded; a cancelled caller
         leaves the queue.
         """
-        group = self._pick(exclude) if not self._queue else None
+        # Straight to a group unless a waiter could take one now (it goes first); waiters
+        # for groups that are down or excluded for them hold up nobody.
+        waiting = any(self._pick(other) is not None for other in {e for _, e in self._queue})
+        group = None if waiting else self._pick(exclude)
         if group is not None:
             return self._take(group)
         since = time.monotonic()
@@ -162,27 +165,35 @@ class Router:
         return group
 
     def _check_available(self, exclude: frozenset[tuple[int, int]], since: float) -> None:
-        """Raise Unavailable unless a usable group is healthy, or one is out of rotation (it
-        may come back) and the request has waited less than `unavailable_wait`."""
+        """Raise Unavailable unless a usable group is healthy, or the request has waited
+        less than `unavailable_wait` for one: a group that is down may come back, and one
+        that just failed this request may be about to go down and be restarted."""
         if any(g.healthy and g.incarnation not in exclude for g in self.groups):
             return
-        down = [g for g in self.groups if not g.healthy]
-        if down and time.monotonic() - since < self.unavailable_wait:
+        if time.monotonic() - since < self.unavailable_wait:
             return
-        bad = "; ".join(f"{g.name}: {g.reason}" for g in down) \
-            or "every group already failed this request"
+        bad = "; ".join(f"{g.name}: {g.reason if not g.healthy else 'failed this request'}"
+                        for g in self.groups)
         waited = f" after waiting {self.unavailable_wait:g} s for one to come back" \
-            if down and self.unavailable_wait else ""
+            if self.unavailable_wait else ""
         raise Unavailable(f"no healthy worker group{waited} ({bad})")
 
     def _my_turn(self, entry) -> bool:
         """FIFO, except that a waiter no group can take now (its groups are down or
         excluded) does not hold up those behind it."""
+        head = self._queue[0]
+        if head is entry:
+            return True
+        if head[1] == entry[1]:  # the common case: the same groups as the head, which goes first
+            return False
+        blocked = set()  # exclusion sets of waiters ahead that no group can take now
         for ahead in self._queue:
             if ahead is entry:
                 return True
-            if self._pick(ahead[1]) is not None:
-                return False
+            if ahead[1] not in blocked:
+                if self._pick(ahead[1]) is not None:
+                    return False
+                blocked.add(ahead[1])
         return False
 
     async def _wait(self, entry, deadline, since: float) -> GroupState:

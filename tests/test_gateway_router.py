@@ -218,3 +218,32 @@ def test_on_change_reports_queue_depth_in_flight_and_healthy_groups():
         router.set_health(groups[1], False)
         assert seen[-1] == (0, 1, 1)
     run(main())
+
+
+def test_waiters_for_a_down_group_do_not_fill_the_queue_for_requests_a_group_can_take():
+    async def main():
+        router, groups = _router(slots=(2, 2), max_queue=1, unavailable_wait=10)
+        router.set_health(groups[0], False, "restarting")
+        # A request that already failed on group 1 waits for group 0 to come back ...
+        waiter = asyncio.ensure_future(router.acquire(exclude=frozenset({groups[1].incarnation})))
+        await _until(lambda: router.queue_depth == 1)
+        # ... and a full queue does not refuse a request that group 1 can take now.
+        assert (await router.acquire()).index == 1
+        router.set_health(groups[0], True)
+        assert (await asyncio.wait_for(waiter, 2)).index == 0
+    run(main())
+
+
+def test_retry_waits_for_the_group_that_just_failed_it_to_be_restarted():
+    # The request's retry can come before the health checks mark its group down.
+    async def main():
+        router, groups = _router(slots=(2,), unavailable_wait=10)
+        failed = frozenset({groups[0].incarnation})
+        waiter = asyncio.ensure_future(router.acquire(exclude=failed, retry=True))
+        await _until(lambda: router.queue_depth == 1)
+        router.set_health(groups[0], False, "health check failed: UNAVAILABLE")
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        router.set_health(groups[0], True)
+        assert (await asyncio.wait_for(waiter, 2)).index == 0
+    run(main())
