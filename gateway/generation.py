@@ -145,6 +145,8 @@ class Runner:
         races = 0
         base_id = job.admit.request_id
         for attempt in itertools.count():
+            if races:  # give the lagging rank a moment to apply the release it is behind on
+                await asyncio.sleep(min(0.05 * 2 ** races, self._timeout(job) or 1.0))
             group = await self._router.acquire(deadline=job.deadline,
                                                exclude=frozenset(exclude), retry=retry)
             queued = time.monotonic() - job.arrived
