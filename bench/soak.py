@@ -159,28 +159,35 @@ class Stack:
         for line in self.proc.stdout:
             self.lines.append(line)
 
-    def processes(self) -> dict[str, int]:
-        """{role: pid} of every server process (roles survive restarts, pids do not)."""
+    def processes(self) -> dict[str, list[int]]:
+        """{role: pids} of every server process (roles survive restarts, pids do not). The
+        grammar service's compile subprocesses share its command line; they are their own
+        role."""
         ports = {a.rsplit(":", 1)[1]: f"{g} rank {r}"
                  for g, addrs in self.groups.items() for r, a in enumerate(addrs)}
-        out = {}
+        out: dict[str, list[int]] = {}
+        grammar: dict[int, int] = {}  # pid -> parent pid
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
                 args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            if "-m" not in args:
+            if "-m" not in args or args.index("-m") + 1 >= len(args):
                 continue
             module = args[args.index("-m") + 1]
             port = args[args.index("--port") + 1] if "--port" in args else ""
             if module == "gpu_worker" and port in ports:
-                out[ports[port]] = int(entry.name)
+                out.setdefault(ports[port], []).append(int(entry.name))
             elif module == "grammar_service" and "--port" in args:
-                out["grammar-service"] = int(entry.name)
+                grammar[int(entry.name)] = ppid
             elif module == "gateway" and port == self.gateway.rsplit(":", 1)[1]:
-                out["gateway"] = int(entry.name)
+                out.setdefault("gateway", []).append(int(entry.name))
+        for pid, ppid in grammar.items():
+            out.setdefault("compile workers" if ppid in grammar else "grammar-service",
+                           []).append(pid)
         return out
 
     def stop(self) -> int | None:
@@ -193,20 +200,25 @@ class Stack:
         return self.proc.wait()
 
 
-def rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+def rss_mb(pids: list[int]) -> float:
+    """Summed resident memory of `pids` in MB (NaN when none is alive)."""
+    total, seen = 0.0, False
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+                    seen = True
+        except OSError:
+            pass
+    return total if seen else float("nan")
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, label: str = "") -> float:
+    """Sum of the samples named `name` (those whose labels contain `label`, when given)."""
     body = urllib.request.urlopen(url, timeout=5).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-               if line.startswith(name) and line[len(name)] in " {")
+               if line.startswith(name) and line[len(name)] in " {" and label in line)
 
 
 def explain(r: Result, kill_at: float | None, back_at: float | None) -> str:
@@ -256,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         def sample_rss() -> None:
             while not done.wait(ns.rss_every):
                 rss.append((time.monotonic() - t0,
-                            {role: rss_mb(pid) for role, pid in stack.processes().items()}))
+                            {role: rss_mb(pids) for role, pids in stack.processes().items()}))
 
         threading.Thread(target=sample_rss, daemon=True).start()
-        rss.append((0.0, {role: rss_mb(pid) for role, pid in stack.processes().items()}))
+        rss.append((0.0, {role: rss_mb(pids) for role, pids in stack.processes().items()}))
         stub = gateway_pb2_grpc.GatewayStub(channel(stack.gateway))
 
         def killer() -> None:
@@ -267,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.05)
             if done.is_set():
                 return
-            victim = stack.processes()["group0 rank 1"]
+            (victim,) = stack.processes()["group0 rank 1"]
             mark = len(stack.lines)
             kill["at"] = time.monotonic()
             os.kill(victim, signal.SIGKILL)
@@ -292,9 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         leaks = {role: metric(url, "gramserve_worker_slots_in_use")
                  for role, url in stack.metrics.items() if "rank" in role}
         gateway_in_flight = metric(stack.metrics["gateway"], "gramserve_gateway_in_flight")
-        retries = metric(stack.metrics["gateway"], "gramserve_gateway_retries_total")
+        retries = {why: metric(stack.metrics["gateway"], "gramserve_gateway_retries_total",
+                               f'reason="{why}"')
+                   for why in ("group_failed", "group_full", "slot_race")}
         rss.append((time.monotonic() - t0,
-                    {role: rss_mb(pid) for role, pid in stack.processes().items()}))
+                    {role: rss_mb(pids) for role, pids in stack.processes().items()}))
     finally:
         done.set()
         status = stack.stop()
@@ -304,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     if kill_at is not None:
         say(f"fault: SIGKILL of group0 rank 1 at t={kill_at - t0:.1f} s; group0 serving again "
             + (f"{back_at - kill_at:.1f} s later" if back_at else "NEVER"))
-    say(f"gateway retries (admitted again before a first token): {retries:.0f}")
+    say("gateway retries (admitted again before a first token): "
+        + ", ".join(f"{why} {n:.0f}" for why, n in retries.items())
+        + " (group_full: rank 0 still held a released slot that this gateway counted free)")
     say()
     say("requests by kind and outcome")
     kinds = [k for k, _ in KINDS]
@@ -333,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     invalid = [r for r in checked if not r.valid]
     guided_ok = [r for r in results if r.status == "OK"
                  and r.kind in ("json_schema", "regex", "choice")]
-    say(f"guided outputs validated on the client: {len(checked)} (of {len(guided_ok)} "
-        f"completed guided; the rest ended on max_tokens), invalid: {len(invalid)}")
+    cut = sum(r.finish == "FINISH_REASON_LENGTH" for r in guided_ok)
+    say(f"guided outputs validated on the client: {len(checked)} of {len(guided_ok)} completed "
+        f"guided requests ({cut} ended on max_tokens, unchecked); invalid: {len(invalid)}")
     say("slots in use after the run: " + ", ".join(f"{k} {v:.0f}" for k, v in leaks.items())
         + f"; gateway in flight {gateway_in_flight:.0f}")
     say()
@@ -345,9 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         f"p99 {np.percentile(lat, 99):.3f} s; time to first token p50 "
         f"{np.percentile(ttft, 50):.3f} s, p99 {np.percentile(ttft, 99):.3f} s")
     say()
-    say("RSS (MB) per process over time (a restarted process is a new pid under the same role)")
+    say("RSS (MB) per process over time (a restarted process is a new pid under the same role; "
+        "compile workers: the grammar service's compile subprocesses together, recycled "
+        "by its pool)")
     roles = sorted({role for _, sample in rss for role in sample})
-    say(f"  {'t (s)':>7}" + "".join(f"{r:>18}" for r in roles))
+    say(f"  {'t (s)':>7}" + "".join(f"{r:>17} " for r in roles))
     for t, sample in rss:
         say(f"  {t:>7.0f}" + "".join(f"{sample.get(r, float('nan')):>18.0f}" for r in roles))
     missed = bool(invalid) or any(leaks.values()) or gateway_in_flight or bool(unexplained)
