@@ -290,3 +290,40 @@ def test_full_queue_is_resource_exhausted(system, vocab):
     assert "max-queue" in info.value.details()
     running.cancel()
     queued.cancel()
+
+
+def test_drain_reports_not_serving_refuses_new_requests_and_lets_running_ones_finish(
+        system, vocab):
+    group = Group(vocab, [_ids(vocab, "ab")] * 40 + ["finish"])
+    gw, stub = system(group)
+    address = f"127.0.0.1:{gw.port}"
+    running = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="d1"),
+                            timeout=10)
+    next(running)  # it streams
+    drained = []
+    drainer = threading.Thread(target=lambda: drained.append(gw.drain(10)))
+    drainer.start()
+    deadline = time.monotonic() + 5
+    while check_health(address):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(grpc.RpcError) as info:
+        _collect(stub)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in info.value.details()
+    final = list(running)[-1].final  # the running stream finishes normally
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP
+    drainer.join(10)
+    assert drained == [True]
+
+
+def test_drain_timeout_returns_with_streams_still_running(system, vocab):
+    group = Group(vocab, [_ids(vocab, "a"), "wait"])
+    gw, stub = system(group)
+    running = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="d2"),
+                            timeout=10)
+    next(running)
+    t0 = time.monotonic()
+    assert gw.drain(0.3) is False
+    assert 0.25 < time.monotonic() - t0 < 3
+    running.cancel()
