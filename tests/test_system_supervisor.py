@@ -1,7 +1,8 @@
 """Faults under `gramserve up` (real processes, CPU, TP=2, two groups): a killed rank's group
 is restarted while the other group serves, a killed grammar service is restarted while
-grammars already compiled keep serving, and SIGTERM drains running streams before anything
-stops. One `up` stack for the module; the drain test ends it."""
+grammars already compiled keep serving, requests wait for restarting groups when none is
+left, and SIGTERM drains running streams before anything stops. One `up` stack for the
+module; the drain test ends it."""
 
 import json
 import os
@@ -191,6 +192,24 @@ def test_killed_rank_fails_only_its_streams_and_its_group_is_restarted(up):
             lambda s: list(stub.Generate(_request(12, seed=s), timeout=60)), range(4))]
     assert all(f.usage.completion_tokens == 12 for f in finals)
     assert metric(up.metrics[f"{victim} rank 0"], "gramserve_worker_releases_total") > served
+
+
+def test_requests_wait_for_a_restart_when_every_group_is_down(up):
+    stub = _stub(up)
+    mark = len(up.lines)
+    killed_at = time.monotonic()
+    for g in up.groups:
+        os.kill(up.pid_of(up.groups[g][1], "gpu_worker"), signal.SIGKILL)
+    for g in up.groups:
+        up.wait_line(rf"{g} exited with status", 15, mark)
+    # No group serves now; within their deadline, requests wait for the restarts (`up`
+    # gives the gateway --unavailable-wait 60) instead of failing.
+    with ThreadPoolExecutor(2) as pool:
+        finals = [r[-1].final for r in pool.map(
+            lambda s: list(stub.Generate(_request(4, seed=s), timeout=90)), range(2))]
+    assert all(f.usage.completion_tokens == 4 for f in finals)
+    assert all(f.timings.queue_seconds > 1.0 for f in finals)  # they did wait
+    assert time.monotonic() - killed_at < 90
 
 
 def test_sigterm_drains_running_streams_before_anything_stops(up):
