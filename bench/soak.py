@@ -154,6 +154,20 @@ class Stack:
                        for m in re.finditer(r"(group\d+) ranks: (\S+)", text)}
         self.metrics = {m.group(1): m.group(2)
                         for m in re.finditer(r"metrics (.+?): (http://\S+)", text)}
+        self.grammar = self._grammar_address()
+
+    def _grammar_address(self) -> str:
+        """The grammar service's address, from our gateway's command line."""
+        port = self.gateway.rsplit(":", 1)[1]
+        for entry in Path("/proc").iterdir():
+            try:
+                args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if "gateway" in args and "--port" in args and args[args.index("--port") + 1] == port \
+                    and "--grammar-service" in args:
+                return args[args.index("--grammar-service") + 1]
+        raise RuntimeError("the gateway process was not found")
 
     def _read(self):
         for line in self.proc.stdout:
@@ -167,6 +181,8 @@ class Stack:
                  for g, addrs in self.groups.items() for r, a in enumerate(addrs)}
         out: dict[str, list[int]] = {}
         grammar: dict[int, int] = {}  # pid -> parent pid
+        # Other grammar services may run on this machine: ours is the one on our port.
+        grammar_port = self.grammar.rsplit(":", 1)[1]
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -181,7 +197,7 @@ class Stack:
             port = args[args.index("--port") + 1] if "--port" in args else ""
             if module == "gpu_worker" and port in ports:
                 out.setdefault(ports[port], []).append(int(entry.name))
-            elif module == "grammar_service" and "--port" in args:
+            elif module == "grammar_service" and port == grammar_port:
                 grammar[int(entry.name)] = ppid
             elif module == "gateway" and port == self.gateway.rsplit(":", 1)[1]:
                 out.setdefault("gateway", []).append(int(entry.name))
