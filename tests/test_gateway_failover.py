@@ -34,8 +34,10 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     token lists (one StepUpdate each), then "finish", "wait" (until released) or a status
     code (the whole stream breaks with it)."""
 
-    def __init__(self, vocab, rank, script=(), refuse_first=None, num_slots=4, refusals=()):
+    def __init__(self, vocab, rank, script=(), refuse_first=None, num_slots=4, refusals=(),
+                 admit_delay=0.0):
         self.vocab, self.rank, self.script = vocab, rank, list(script)
+        self.admit_delay = admit_delay  # seconds before each admission is answered
         self.num_slots = num_slots
         self.refuse_first = refuse_first  # a status code for the first Admit only
         self.refusals = list(refusals)  # (status code, message) for the next Admits, in turn
@@ -79,6 +81,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         for msg in request_iterator:
             if msg.HasField("admit"):
                 self.admits.append(msg.admit.request_id)
+                time.sleep(self.admit_delay)
                 result = worker_pb2.AdmitResult(tag=msg.admit.tag, slot=3, rank=self.rank)
                 if self.refuse_first is not None:
                     result.code, result.message = self.refuse_first.value[0], "scripted"
@@ -327,3 +330,15 @@ def test_drain_timeout_returns_with_streams_still_running(system, vocab):
     assert gw.drain(0.3) is False
     assert 0.25 < time.monotonic() - t0 < 3
     running.cancel()
+
+
+def test_request_cancelled_while_rank0_admits_it_releases_the_slot_it_gets(system, vocab):
+    # The client goes away while rank 0's answer is on the way: the slot rank 0 allocates
+    # must not stay held until the admission expires.
+    group = Group(vocab, [_ids(vocab, "a"), "finish"])
+    group.ranks[0].admit_delay = 0.5
+    _, stub = system(group)
+    call = stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", request_id="late"))
+    time.sleep(0.2)
+    call.cancel()
+    _wait_released(group.ranks[0], [(3, "late")])
