@@ -49,6 +49,12 @@ class GatewayConfig:
     metrics_port: int = -1
     health_interval: float = 2.0
     max_request_bytes: int = 4 * 1024 * 1024
+    # Seconds a request waits for a worker group to come back when none is usable (within
+    # its deadline); 0 fails it at once with UNAVAILABLE.
+    unavailable_wait: float = 0.0
+    # Seconds running streams may take to finish after SIGTERM (health is NOT_SERVING and
+    # new requests are refused meanwhile).
+    drain_timeout: float = 30.0
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -78,6 +84,10 @@ class GatewayConfig:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.health_interval <= 0:
             raise ValueError(f"--health-interval must be > 0, got {self.health_interval}")
+        if self.unavailable_wait < 0:
+            raise ValueError(f"--unavailable-wait must be >= 0, got {self.unavailable_wait}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -105,7 +115,8 @@ class GatewayConfig:
             model=ns.model or None, host=ns.host, port=ns.port, http_port=ns.http_port,
             http_host=ns.http_host or None, max_queue=ns.max_queue,
             metrics_port=ns.metrics_port, health_interval=ns.health_interval,
-            max_request_bytes=ns.max_request_bytes, tls_cert=ns.tls_cert or None,
+            max_request_bytes=ns.max_request_bytes, unavailable_wait=ns.unavailable_wait,
+            drain_timeout=ns.drain_timeout, tls_cert=ns.tls_cert or None,
             tls_key=ns.tls_key or None, tls_ca=ns.tls_ca or None,
             tls_client_cert=ns.tls_client_cert or None, tls_client_key=ns.tls_client_key or None,
             metrics_host=ns.metrics_host, reflection=ns.reflection == "on",
@@ -171,6 +182,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int,
                    default=env_default("max_request_bytes", 4 * 1024 * 1024),
                    help="largest accepted GenerateRequest (GRAMSERVE_MAX_REQUEST_BYTES)")
+    p.add_argument("--unavailable-wait", type=float, default=env_default("unavailable_wait", 0.0),
+                   help="seconds a request waits for a worker group to come back when none is "
+                        "healthy, within its deadline; 0 fails it at once with UNAVAILABLE "
+                        "(GRAMSERVE_UNAVAILABLE_WAIT)")
+    p.add_argument("--drain-timeout", type=float, default=env_default("drain_timeout", 30.0),
+                   help="on SIGTERM: seconds running streams may take to finish while health "
+                        "says NOT_SERVING and new requests are refused (GRAMSERVE_DRAIN_TIMEOUT)")
     p.add_argument("--tls-cert", default=env_default("tls_cert", ""),
                    help="server certificate chain PEM (GRAMSERVE_TLS_CERT)")
     p.add_argument("--tls-key", default=env_default("tls_key", ""),

@@ -11,6 +11,7 @@ exactly once and without awaiting, so it also runs when the handler task is canc
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -48,6 +49,10 @@ _GROUP_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 # Finished.code of a request that could not run for a reason of the group.
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+# A follower rank refusing rank 0's slot (FAILED_PRECONDITION on field `slot`) is a benign
+# race: the slot's previous tenant has not left that rank yet, or the rank already saw this
+# admission released. The request never ran; it is admitted again, at most this many times.
+_MAX_RACE_RETRIES = 3
 
 
 def service_error(code: grpc.StatusCode, details: str, what: str) -> ServiceError:
@@ -57,10 +62,12 @@ def service_error(code: grpc.StatusCode, details: str, what: str) -> ServiceErro
 
 
 class _NotStarted(Exception):
-    """The request produced no token on this group; it may go to another one."""
+    """The request produced no token on this group; it may go to another one. `race`: the
+    message of a slot-reuse race that refused it (retried a bounded number of times)."""
 
-    def __init__(self, group_failed: bool):
+    def __init__(self, group_failed: bool, race: str = ""):
         self.group_failed = group_failed
+        self.race = race
 
 
 class Lease:
@@ -130,14 +137,26 @@ class Runner:
         self._check_schema = check_schema
 
     async def run(self, job: Job) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """Yield the request's deltas and final message; raise ServiceError on failure."""
-        exclude: set[int] = set()
+        """Yield the request's deltas and final message; raise ServiceError on failure.
+
+        A request that produced no token is tried again: on another group (or the same
+        group once restarted) when its group failed, on any group after a full group or a
+        slot-reuse race (at most `_MAX_RACE_RETRIES` of those), always within its deadline.
+        """
+        exclude: set[tuple[int, int]] = set()
         retry = False
-        while True:
+        races = 0
+        base_id = job.admit.request_id
+        for attempt in itertools.count():
+            if races:  # give the lagging rank a moment to apply the release it is behind on
+                await asyncio.sleep(min(0.05 * 2 ** races, self._timeout(job) or 1.0))
             group = await self._router.acquire(deadline=job.deadline,
                                                exclude=frozenset(exclude), retry=retry,
                                                client=job.client)
             queued = time.monotonic() - job.arrived
+            # A fresh worker id per attempt: ranks remember released (slot, id) pairs, so a
+            # retry under the old id could be refused as already released.
+            job.admit.request_id = base_id if attempt == 0 else f"{base_id}.{attempt}"
             lease = Lease(self._router, self._clients[group.index], job.admit.request_id,
                           job.client)
             try:
@@ -146,8 +165,16 @@ class Runner:
                 return
             except _NotStarted as exc:
                 retry = True
+                self._metrics.retries.labels(
+                    "slot_race" if exc.race else "group_failed" if exc.group_failed
+                    else "group_full").inc()
                 if exc.group_failed:
-                    exclude.add(group.index)
+                    exclude.add(group.incarnation)
+                if exc.race:
+                    races += 1
+                    if races > _MAX_RACE_RETRIES:
+                        raise FailedPrecondition(
+                            f"{exc.race} (still after {_MAX_RACE_RETRIES} retries)") from None
             finally:
                 lease.release()
 
@@ -192,6 +219,10 @@ class Runner:
         if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._router.mark_full(group)  # another gateway holds its slots: wait our turn
             raise _NotStarted(group_failed=False)
+        if (exc.code == grpc.StatusCode.FAILED_PRECONDITION and what.endswith("follower rank")
+                and exc.message.startswith("slot:")):
+            log.info("%s: slot-reuse race (%s); admitting again", group.name, exc.message)
+            raise _NotStarted(group_failed=False, race=f"{what} refused: {exc.message}")
         if exc.code in _GROUP_FAILURES:
             self._group_failed(group, f"{what} failed: {exc.code.name}: {exc.message}")
             raise _NotStarted(group_failed=True)
@@ -238,14 +269,17 @@ class Runner:
                 if progress.tokens == 0:
                     raise _NotStarted(group_failed=True)
                 raise Unavailable(f"{group.name} failed after {progress.tokens} tokens were "
-                                  "streamed (its stream broke); not retried")
+                                  "streamed: its rank 0 stopped answering (the stream to it "
+                                  "broke); not retried, since tokens were already sent")
             if fin is not None:
                 if fin.code == _UNAVAILABLE:
                     self._group_failed(group, fin.message)
                     if progress.tokens == 0:
                         raise _NotStarted(group_failed=True)
-                    raise Unavailable(f"{group.name} failed during the request after "
-                                      f"{progress.tokens} tokens: {fin.message}; not retried")
+                    raise Unavailable(f"{group.name} failed after {progress.tokens} tokens "
+                                      f"were streamed: a rank of the group failed "
+                                      f"({fin.message}); not retried, since tokens were "
+                                      "already sent")
                 for response in self._tail(job, progress, queued, detok, stop, fin):
                     yield response
                 return

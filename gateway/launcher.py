@@ -6,8 +6,19 @@ rank. One gateway's event loop relays about 17k token messages per second on the
 host before it saturates a core, so the gateway scales out in processes, as the groups do.
 
 Every child runs in its own process group so a stop reaches the processes it started
-too (a worker group launcher's ranks). A child that exits while the system is up is
-reported and brings the whole system down with a non-zero status: nothing is left half up.
+too (a worker group launcher's ranks). Once the system is up, `up` supervises it: a child
+that exits is reported, what is left of its process group is killed, and it is started
+again after an exponential backoff (1 s, 2 s, 4 s ... at most 30 s; back to 1 s once it has
+run for a minute). A worker group restarts whole: every rank, on the same gRPC ports (the
+gateways know them) and a new rendezvous port. While a group is down the gateways keep it
+out of rotation and hold requests that have not produced a token for up to
+`--unavailable-wait` seconds; the grammar service restarts on its port, and grammars the
+gateways and ranks already hold keep serving meanwhile. A child that dies during start-up
+still stops everything (exit 1): a configuration that cannot start is not retried.
+
+SIGTERM (or Ctrl-C) drains, in order: the gateways (health NOT_SERVING, new requests
+refused, running streams finish for up to `--drain-timeout` seconds), then the worker
+groups, then the grammar service.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protos.rpc import check_health, env_default
@@ -50,6 +62,8 @@ class UpConfig:
     auth_tokens: str | None = None  # the gateways' --auth-tokens
     client_max_streams: int = 0
     client_max_queued: int = 0
+    drain_timeout: float = 30.0
+    unavailable_wait: float = 60.0
 
     def __post_init__(self):
         for name, low in (("tp", 1), ("groups", 1), ("gateways", 1), ("slots", 1)):
@@ -73,6 +87,10 @@ class UpConfig:
             from gateway.auth import TokenTable
 
             TokenTable.load(self.auth_tokens)  # ValueError names the file and line
+        if self.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        if self.unavailable_wait < 0:
+            raise ValueError(f"--unavailable-wait must be >= 0, got {self.unavailable_wait}")
 
 
 def up_parser(p: argparse.ArgumentParser) -> None:
@@ -116,6 +134,13 @@ def up_parser(p: argparse.ArgumentParser) -> None:
                    help="requests one client may run at once; 0 no limit")
     p.add_argument("--client-max-queued", type=int, default=env_default("client_max_queued", 0),
                    help="requests one client may have queued; 0 no limit")
+    p.add_argument("--drain-timeout", type=float, default=env_default("drain_timeout", 30.0),
+                   help="on SIGTERM: seconds the gateways let running streams finish before "
+                        "workers and the grammar service stop (GRAMSERVE_DRAIN_TIMEOUT)")
+    p.add_argument("--unavailable-wait", type=float,
+                   default=env_default("unavailable_wait", 60.0),
+                   help="seconds a request waits for a restarting worker group when none is "
+                        "healthy, within its deadline (GRAMSERVE_UNAVAILABLE_WAIT)")
 
 
 def _port_free(port: int) -> bool:
@@ -140,26 +165,57 @@ def free_ports(n: int, taken: set[int]) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
-class System:
-    """The children of `gramserve up`: start, wait until serving, supervise, stop."""
+# Restart backoff: the n-th restart in a row waits min(_BACKOFF_MAX, _BACKOFF_BASE * 2**(n-1))
+# seconds; a child that ran _STABLE_AFTER seconds before dying starts again from the base.
+_BACKOFF_BASE = 1.0
+_BACKOFF_MAX = 30.0
+_STABLE_AFTER = 60.0
 
-    def __init__(self, config: UpConfig, out=sys.stdout):
+
+class _Child:
+    """One supervised child: how to start it, its process, its restart state."""
+
+    def __init__(self, name: str, kind: str, command: Callable[[], list[str]],
+                 addresses: list[str]):
+        self.name, self.kind = name, kind
+        self.command = command  # called at every start (a group takes a new rendezvous port)
+        self.addresses = addresses  # gRPC addresses that answer SERVING once it is up
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.failures = 0  # deaths in a row, for the backoff
+        self.restarts = 0
+        self.restart_at: float | None = None  # set while dead and waiting for its backoff
+        self.announce = False  # restarted, not yet seen serving
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", *self.command()],
+                                     start_new_session=True)
+        self.started = time.monotonic()
+
+
+class System:
+    """The children of `gramserve up`: start, wait until serving, supervise, drain, stop."""
+
+    def __init__(self, config: UpConfig, out=sys.stdout, err=sys.stderr):
         self.config = config
-        self.out = out
-        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.out, self.err = out, err
+        self.children: list[_Child] = []
         self.addresses: dict[str, list[str]] = {}
         self.metrics_urls: list[str] = []
         self.gateway_ready: list[str] = []  # each gateway's /metrics answers once it serves
         self.http_url: str | None = None
         self.stopping = threading.Event()
         self.tls = None  # gateway.dev_tls.DevTls under --tls-dir
+        self._taken: set[int] = set()
 
     def _say(self, msg: str) -> None:
         print(msg, file=self.out, flush=True)
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", *args], start_new_session=True)
-        self.children.append((name, proc))
+    def _spawn(self, name: str, kind: str, command: Callable[[], list[str]],
+               addresses: list[str]) -> None:
+        child = _Child(name, kind, command, addresses)
+        child.start()
+        self.children.append(child)
 
     def start(self) -> None:
         """Start every child. Raises RuntimeError when a port cannot be found."""
@@ -167,7 +223,7 @@ class System:
 
         c = self.config
         model_dir = str(resolve_model(c.model))  # create the default model once, here
-        taken: set[int] = set()
+        taken = self._taken
         if c.port and not _port_free(c.port):
             raise RuntimeError(f"--port {c.port} is in use")
         gw_port = c.port or free_ports(1, taken)
@@ -196,25 +252,26 @@ class System:
                            "--tls-client-key", str(t.key)]
         grammar = f"{_HOST}:{free_ports(1, taken)}"
         g_metrics = metrics(1, 0)
-        self._spawn("grammar-service", [
+        grammar_args = [
             "grammar_service", "--host", _HOST, "--port", grammar.rsplit(":", 1)[1],
             "--model", model_dir, "--metrics-port", str(g_metrics),
-            *(["--cache-dir", c.cache_dir] if c.cache_dir else []), *server_tls])
+            *(["--cache-dir", c.cache_dir] if c.cache_dir else []), *server_tls]
+        self._spawn("grammar-service", "grammar-service", lambda: grammar_args, [grammar])
         self.addresses["grammar-service"] = [grammar]
         self._metrics_url("grammar-service", g_metrics)
         gw_metrics = metrics(c.gateways, 1)
         group_flags = []
         for g in range(c.groups):
             base = free_ports(c.tp, taken)
-            dist = free_ports(1, taken)
             w_metrics = metrics(c.tp, 1 + c.gateways + g * c.tp)
             ranks = [f"{_HOST}:{base + r}" for r in range(c.tp)]
-            self._spawn(f"group{g}", [
+            group_args = [
                 "gpu_worker.launch", "--tp", str(c.tp), "--host", _HOST, "--port", str(base),
-                "--dist-port", str(dist), "--metrics-port", str(w_metrics), "--model", model_dir,
+                "--metrics-port", str(w_metrics), "--model", model_dir,
                 "--grammar-service", grammar, "--device", c.device, "--slots", str(c.slots),
                 *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
-                *worker_tls])
+                *worker_tls]
+            self._spawn(f"group{g}", "group", self._with_rendezvous(group_args), ranks)
             self.addresses[f"group{g}"] = ranks
             for r in range(c.tp):
                 self._metrics_url(f"group{g} rank {r}", w_metrics + r if w_metrics >= 0 else -1)
@@ -223,13 +280,16 @@ class System:
         for i in range(c.gateways):
             name = "gateway" if c.gateways == 1 else f"gateway{i}"
             port = gw_metrics + i if gw_metrics >= 0 else -1
-            self._spawn(name, [
+            gateway_args = [
                 "gateway", "--host", _HOST, "--port", str(gw_port), "--grammar-service", grammar,
                 *group_flags, "--model", model_dir, "--metrics-port", str(port),
                 "--max-queue", str(c.max_queue), "--http-port", str(http_port), *gateway_tls,
                 *(["--auth-tokens", c.auth_tokens] if c.auth_tokens else []),
                 "--client-max-streams", str(c.client_max_streams),
-                "--client-max-queued", str(c.client_max_queued)])
+                "--client-max-queued", str(c.client_max_queued),
+                "--drain-timeout", str(c.drain_timeout),
+                "--unavailable-wait", str(c.unavailable_wait)]
+            self._spawn(name, "gateway", lambda a=gateway_args: a, [gateway])
             self._metrics_url(name, port)
             if c.gateways > 1 and port >= 0:
                 self.gateway_ready.append(f"http://{_HOST}:{port}/metrics")
@@ -237,15 +297,22 @@ class System:
         if http_port >= 0:
             self.http_url = f"http://{_HOST}:{http_port}/v1"
 
+    def _with_rendezvous(self, args: list[str]) -> Callable[[], list[str]]:
+        """A group's command with a rendezvous port of its own, new at every start (the old
+        store's port may still be held while its ranks die)."""
+        def command() -> list[str]:
+            return [*args, "--dist-port", str(free_ports(1, self._taken))]
+        return command
+
     def _metrics_url(self, name: str, port: int) -> None:
         if port >= 0:
             self.metrics_urls.append(f"{name}: http://{_HOST}:{port}/metrics")
 
     def dead_child(self) -> tuple[str, int] | None:
         """(name, exit status) of a child that exited, or None."""
-        for name, proc in self.children:
-            if proc.poll() is not None:
-                return name, proc.returncode
+        for child in self.children:
+            if child.proc.poll() is not None:
+                return child.name, child.proc.returncode
         return None
 
     def wait_serving(self) -> None:
@@ -267,28 +334,61 @@ class System:
             if pending:
                 time.sleep(0.5)
 
-    def _serving(self, address: str) -> bool:
+    def _serving(self, address: str, timeout: float = 1.0) -> bool:
         internal = self.tls is not None and address not in self.addresses["gateway"]
         if not internal:
-            return check_health(address, timeout=1.0)
+            return check_health(address, timeout=timeout)
         with open(self.tls.ca, "rb") as ca, open(self.tls.cert, "rb") as c, \
                 open(self.tls.key, "rb") as k:
-            return check_health(address, timeout=1.0, tls_ca=ca.read(),
+            return check_health(address, timeout=timeout, tls_ca=ca.read(),
                                 tls_identity=(c.read(), k.read()))
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM every child's process group (gateway first), then SIGKILL stragglers."""
-        for _, proc in reversed(self.children):
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for _, proc in reversed(self.children):
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for _, proc in self.children:
-            _signal_group(proc, signal.SIGKILL)  # also reaches grandchildren left behind
-            proc.wait()
+    def supervise(self, now: float | None = None) -> None:
+        """One round of supervision: notice dead children, start those whose backoff ended,
+        announce restarted ones once they serve. Never raises for a child's failure."""
+        now = time.monotonic() if now is None else now
+        for child in self.children:
+            if child.restart_at is None and child.proc.poll() is not None:
+                # Whatever is left of its process group (a group's other ranks) goes too.
+                _signal_group(child.proc, signal.SIGKILL)
+                if now - child.started >= _STABLE_AFTER:
+                    child.failures = 0
+                child.failures += 1
+                delay = min(_BACKOFF_MAX, _BACKOFF_BASE * 2 ** (child.failures - 1))
+                child.restart_at = now + delay
+                child.announce = False
+                print(f"gramserve up: {child.name} exited with status {child.proc.returncode}; "
+                      f"restarting it in {delay:g} s", file=self.err, flush=True)
+            elif child.restart_at is not None and now >= child.restart_at:
+                child.restart_at = None
+                child.restarts += 1
+                child.start()
+                child.announce = True
+                self._say(f"gramserve up: {child.name} restarted (restart {child.restarts})")
+            elif child.announce and all(self._serving(a, 0.5) for a in child.addresses):
+                child.announce = False
+                self._say(f"gramserve up: {child.name} is serving again")
+
+    def stop(self) -> None:
+        """Drain and stop in dependency order: gateways (they finish running streams for up
+        to drain_timeout seconds), then worker groups, then the grammar service; SIGKILL
+        whatever is left of any child's process group."""
+        c = self.config
+        for kind, timeout in (("gateway", c.drain_timeout + 15.0), ("group", 15.0),
+                              ("grammar-service", 10.0)):
+            procs = [ch.proc for ch in self.children if ch.kind == kind and ch.proc is not None]
+            for proc in procs:
+                _signal_group(proc, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for child in self.children:
+            if child.proc is not None:
+                _signal_group(child.proc, signal.SIGKILL)  # also reaches grandchildren
+                child.proc.wait()
 
 
 def _answers(url: str) -> bool:
@@ -310,7 +410,8 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def up_main(ns: argparse.Namespace) -> int:
-    """Run the whole system until Ctrl-C/SIGTERM (exit 0) or a child dies (exit 1)."""
+    """Run and supervise the whole system until Ctrl-C/SIGTERM, then drain it (exit 0).
+    Exit 1 when it cannot start."""
     try:
         config = UpConfig(
             model=ns.model or None, tp=ns.tp, groups=ns.groups, gateways=ns.gateways,
@@ -320,7 +421,8 @@ def up_main(ns: argparse.Namespace) -> int:
             max_model_len=ns.max_model_len, max_queue=ns.max_queue,
             cache_dir=ns.cache_dir or None, startup_timeout=ns.startup_timeout,
             tls_dir=ns.tls_dir or None, auth_tokens=ns.auth_tokens or None,
-            client_max_streams=ns.client_max_streams, client_max_queued=ns.client_max_queued)
+            client_max_streams=ns.client_max_streams, client_max_queued=ns.client_max_queued,
+            drain_timeout=ns.drain_timeout, unavailable_wait=ns.unavailable_wait)
     except ValueError as exc:
         print(f"gramserve up: {exc}", file=sys.stderr)
         return 2
@@ -334,20 +436,19 @@ def up_main(ns: argparse.Namespace) -> int:
         system._say(f"gramserve is up: gateway {system.addresses['gateway'][0]}")
         if system.http_url:
             system._say(f"  OpenAI-compatible HTTP API: {system.http_url}")
+        for name, addrs in system.addresses.items():
+            if name.startswith("group"):
+                system._say(f"  {name} ranks: {','.join(addrs)}")
         for url in system.metrics_urls:
             system._say(f"  metrics {url}")
-        system._say("Ctrl-C stops everything.")
-        while not system.stopping.wait(0.5):
-            dead = system.dead_child()
-            if dead:
-                print(f"gramserve up: {dead[0]} exited with status {dead[1]}; stopping",
-                      file=sys.stderr, flush=True)
-                status = 1
-                break
+        system._say("Ctrl-C stops everything (after draining running requests).")
+        while not system.stopping.wait(0.2):
+            system.supervise()
     except RuntimeError as exc:
         print(f"gramserve up: {exc}", file=sys.stderr, flush=True)
         status = 1
     finally:
+        system._say("gramserve up: draining (gateways, then workers, then the grammar service)")
         system.stop()
         system._say("gramserve stopped.")
     return status

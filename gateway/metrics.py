@@ -47,6 +47,15 @@ class GatewayMetrics:
             "gramserve_gateway_grammar_refs_total",
             "Guided requests whose compiled-grammar key the gateway remembered (hit) or asked "
             "the grammar service for (miss).", ["result"], registry=registry)
+        self.retries = Counter(
+            "gramserve_gateway_retries_total",
+            "Requests sent to a group again before their first token, by why: its group "
+            "failed (group_failed), was full (group_full) or lost a slot-reuse race between "
+            "ranks (slot_race).", ["reason"], registry=registry)
+        self.draining = Gauge(
+            "gramserve_gateway_draining",
+            "1 while the gateway drains (refuses new requests, finishes running ones).",
+            registry=registry)
         self.healthy_groups = Gauge(
             "gramserve_gateway_healthy_groups", "Worker groups currently taking requests.",
             registry=registry)

@@ -53,6 +53,7 @@ from protos.rpc import (
     NotFound,
     ServiceError,
     Unauthenticated,
+    Unavailable,
     aio_channel,
     create_aio_server,
     register_build_info,
@@ -90,6 +91,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._grammar = grammar_pb2_grpc.GrammarServiceStub(self._grammar_channel)
         self._refs = GrammarRefs()
         self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self.draining = False
+        self._active = 0  # generate() calls running
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # -- rpcs -----------------------------------------------------------------------------
 
@@ -109,6 +114,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             yield response
 
     async def CompileGrammar(self, request, context):
+        self._check_draining()
         self._check_model(request.model)
         if constraint_kind(request.constraint) == "none":
             raise InvalidArgument("no constraint kind is set", field="constraint")
@@ -149,7 +155,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         arrived = time.monotonic() if arrived is None else arrived
         kind = constraint_kind(request.constraint)
         status = "CANCELLED"  # unless the stream ends otherwise (a cancelled task is one)
+        self._active += 1
+        self._idle.clear()
         try:
+            self._check_draining()
             job = await self._job(request, arrived, kind, remaining, client)
             async for response in self._runner.run(job):
                 yield response
@@ -163,6 +172,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             status = "INTERNAL"
             raise
         finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
             self._metrics.requests.labels(kind, status).inc()
             self._metrics.request_seconds.observe(time.monotonic() - arrived)
 
@@ -190,14 +202,38 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return self._limits
 
     def ready(self) -> bool:
-        """Whether at least one worker group passes its health checks."""
-        return bool(self._router.healthy_groups())
+        """Whether the gateway takes requests: not draining, and at least one worker group
+        passes its health checks."""
+        return not self.draining and bool(self._router.healthy_groups())
+
+    def start_drain(self) -> None:
+        """Refuse new requests (UNAVAILABLE) from now on; running ones go on."""
+        self.draining = True
+        self._metrics.draining.set(1)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for every running request to end; True if they did."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    @property
+    def active(self) -> int:
+        """Requests running now."""
+        return self._active
 
     async def close(self) -> None:
         await self._grammar_channel.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- steps ----------------------------------------------------------------------------
+
+    def _check_draining(self) -> None:
+        if self.draining:
+            raise Unavailable("this gateway is shutting down (draining its running requests); "
+                              "send the request to another gateway replica or retry")
 
     async def _job(self, request, arrived: float, kind: str, remaining: float | None,
                    client: str = "") -> Job:
@@ -308,6 +344,21 @@ class Gateway:
     thread: threading.Thread
     _parts: dict = field(default_factory=dict)
 
+    def drain(self, timeout: float) -> bool:
+        """Graceful drain, before `stop`: health NOT_SERVING (load balancers move away), new
+        requests refused with UNAVAILABLE, running streams go on for up to `timeout`
+        seconds. True when every running request finished in time."""
+        if not self.thread.is_alive():
+            return True
+        return asyncio.run_coroutine_threadsafe(self._drain(timeout), self.loop).result(
+            timeout + 30)
+
+    async def _drain(self, timeout: float) -> bool:
+        servicer = self._parts["servicer"]
+        servicer.start_drain()
+        await self._parts["update_health"]()
+        return await servicer.wait_idle(timeout)
+
     def stop(self, grace: float = 5.0) -> None:
         """Stop taking requests, let running ones finish for `grace` seconds, close links."""
         if not self.thread.is_alive():
@@ -337,18 +388,27 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
     states = [GroupState(index=i, addresses=g) for i, g in enumerate(config.groups)]
     health_ref: list = []
     serving: list[bool] = []
+    servicer_ref: list = []
+
+    def should_serve() -> bool:
+        # SERVING while some group is healthy, and never again once a drain began.
+        return bool(router.healthy_groups()) and not (servicer_ref and servicer_ref[0].draining)
+
+    async def update_health() -> None:
+        if health_ref and serving != [should_serve()]:
+            serving[:] = [should_serve()]
+            await set_serving_aio(health_ref[0], [SERVICE_NAME], serving[0])
 
     def on_change(queue_depth: int, in_flight: int, healthy: int) -> None:
         metrics.queue_depth.set(queue_depth)
         metrics.in_flight.set(in_flight)
         metrics.healthy_groups.set(healthy)
-        if health_ref and serving != [healthy > 0]:
-            serving[:] = [healthy > 0]
-            asyncio.get_running_loop().create_task(
-                set_serving_aio(health_ref[0], [SERVICE_NAME], healthy > 0))
+        if health_ref and serving != [should_serve()]:
+            asyncio.get_running_loop().create_task(update_health())
 
     router = Router(states, config.max_queue, client_streams=config.client_max_streams,
-                    client_queued=config.client_max_queued, on_change=on_change)
+                    client_queued=config.client_max_queued, unavailable_wait=config.unavailable_wait,
+                    on_change=on_change)
     clients = [GroupClient(s, config.ca_bytes(), config.tls_identity()) for s in states]
     monitor = HealthMonitor(router, clients, vocab.fingerprint, config.health_interval)
     runner = Runner(router, clients, vocab.token_bytes, metrics, monitor.poke,
@@ -357,6 +417,7 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
     model_id = config.model if config.model and model_dir.parent.name == "snapshots" \
         else Path(model_dir).name
     servicer = GatewayServicer(config, vocab, model_id, router, runner, metrics)
+    servicer_ref.append(servicer)
     if config.http_port >= 0:  # bound before gRPC health can say SERVING
         app = create_app(servicer, config.max_request_bytes)
         http_server, http_task, gateway.http_port = await start_http(
@@ -371,10 +432,11 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
         reflection=config.reflection,
         authenticate=servicer.authenticate if config.auth_tokens is not None else None)
     health_ref.append(health)
-    serving[:] = [bool(router.healthy_groups())]
+    serving[:] = [should_serve()]
     await set_serving_aio(health, [SERVICE_NAME], serving[0])
     gateway.port = port
-    gateway._parts.update(server=server, monitor=monitor, servicer=servicer, clients=clients)
+    gateway._parts.update(server=server, monitor=monitor, servicer=servicer, clients=clients,
+                          update_health=update_health)
 
 
 def create_server(config: GatewayConfig, registry: CollectorRegistry | None = None) -> Gateway:
@@ -429,5 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
-    gw.stop()
+    running = gw._parts["servicer"].active
+    print(f"gateway draining: NOT_SERVING, refusing new requests, {running} running "
+          f"(up to {config.drain_timeout:g} s)", flush=True)
+    finished = gw.drain(config.drain_timeout)
+    if not finished:
+        print(f"gateway: {gw._parts['servicer'].active} requests still running after the "
+              f"drain timeout; cancelling them", flush=True)
+    gw.stop(0)
+    print("gateway stopped", flush=True)
     return 0

@@ -87,6 +87,15 @@ class RankLink:
             self._abandoned[tag] = req.request_id  # released if its answer still comes
             raise AdmitFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"{self.name} did not answer the admission in time") from None
+        except asyncio.CancelledError:
+            # The request was cancelled (client gone, deadline) while its admission was on
+            # the way: whatever slot the rank gives it must be released, now or on arrival.
+            self._rows.pop(tag, None)
+            if future.done() and future.exception() is None and future.result().code == 0:
+                self.release(future.result().slot, req.request_id)
+            elif not future.done():
+                self._abandoned[tag] = req.request_id
+            raise
         finally:
             self._admits.pop(tag, None)
         if result.code != 0:
@@ -146,6 +155,8 @@ class RankLink:
             self._fail_waiting(f"the stream to {self.name} ended")
 
     def _fail_waiting(self, why: str) -> None:
+        # A rank releases a closed session's requests itself: nothing abandoned is left.
+        self._abandoned.clear()
         for future in self._admits.values():
             if not future.done():
                 future.set_exception(AdmitFailed(grpc.StatusCode.UNAVAILABLE, why))

@@ -28,6 +28,7 @@ class WorkerConfig:
     step_tokens: int
     metrics_port: int
     admit_timeout_s: float
+    grammar_fetch_timeout_s: float
     collective_timeout_s: float
     divergence_check_every: int
     grammar_cache_bytes: int
@@ -54,7 +55,12 @@ class WorkerConfig:
             (self.slots >= 1, "slots", "must be >= 1"),
             (self.max_model_len >= 2, "max-model-len", "must be >= 2"),
             (self.step_tokens >= self.slots, "step-tokens", "must be >= --slots"),
-            (self.admit_timeout_s > 0, "admit-timeout", "must be > 0"),
+            (self.grammar_fetch_timeout_s > 0, "grammar-fetch-timeout", "must be > 0"),
+            # A follower rank fetches its grammar after rank 0 has allocated the slot, so the
+            # admission must be able to outlast the slowest fetch.
+            (self.admit_timeout_s > self.grammar_fetch_timeout_s, "admit-timeout",
+             f"must be greater than --grammar-fetch-timeout ({self.grammar_fetch_timeout_s:g} "
+             "s): a rank fetching its grammar must never see the admission expire"),
             (self.collective_timeout_s > 0, "collective-timeout", "must be > 0"),
             (self.divergence_check_every >= 0, "divergence-check-every", "must be >= 0"),
             (self.cuda_graph_max_tokens >= 0, "cuda-graph-max-tokens", "must be >= 0"),
@@ -112,8 +118,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=e("metrics_port", -1),
                    help="Prometheus /metrics port; -1 = off, 0 = any")
     p.add_argument("--admit-timeout", dest="admit_timeout_s", type=float,
-                   default=e("admit_timeout", 10.0),
-                   help="seconds an Admit may wait for the other ranks' Admits")
+                   default=e("admit_timeout", 60.0),
+                   help="seconds rank 0's slot allocation waits for every other rank's Admit "
+                        "before it expires; must exceed --grammar-fetch-timeout")
+    p.add_argument("--grammar-fetch-timeout", dest="grammar_fetch_timeout_s", type=float,
+                   default=e("grammar_fetch_timeout", 45.0),
+                   help="deadline of one grammar fetch from the grammar service, which may "
+                        "recompile an evicted grammar: keep it above the service's "
+                        "--compile-timeout")
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float,
                    default=e("collective_timeout", 30.0),
                    help="seconds before a collective with a silent peer fails the rank")

@@ -26,6 +26,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Clients reconnect to a restarted server within about a second: gRPC's default backoff
+# grows to two minutes, which would keep a restarted worker group or grammar service out of
+# use long after it serves again.
+_CLIENT_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class ServiceError(Exception):
@@ -454,9 +462,9 @@ def channel(address: str, *, tls_ca: bytes | None = None,
     presenting `tls_identity` (certificate chain PEM, private key PEM) to a server that
     requires client certificates (mutual TLS); `token` is sent as a bearer token."""
     if tls_ca is not None:
-        ch = grpc.secure_channel(address, _credentials(tls_ca, tls_identity), CHANNEL_OPTIONS)
+        ch = grpc.secure_channel(address, _credentials(tls_ca, tls_identity), _CLIENT_OPTIONS)
     else:
-        ch = grpc.insecure_channel(address, CHANNEL_OPTIONS)
+        ch = grpc.insecure_channel(address, _CLIENT_OPTIONS)
     return grpc.intercept_channel(ch, BearerInterceptor(token)) if token else ch
 
 
@@ -467,8 +475,8 @@ def aio_channel(address: str, *, tls_ca: bytes | None = None,
     interceptors = [AioBearerInterceptor(token)] if token else None
     if tls_ca is not None:
         return grpc.aio.secure_channel(address, _credentials(tls_ca, tls_identity),
-                                       CHANNEL_OPTIONS, interceptors=interceptors)
-    return grpc.aio.insecure_channel(address, CHANNEL_OPTIONS, interceptors=interceptors)
+                                       _CLIENT_OPTIONS, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, _CLIENT_OPTIONS, interceptors=interceptors)
 
 
 def check_health(address: str, timeout: float = 2.0, service: str = "", *,

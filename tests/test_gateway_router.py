@@ -141,10 +141,71 @@ def test_release_without_a_worker_slot_keeps_the_backoff():
 
 def test_excluded_group_is_not_used_for_a_retry():
     async def main():
-        router, _ = _router()
-        assert (await router.acquire(exclude=frozenset({0}))).index == 1
+        router, groups = _router()
+        assert (await router.acquire(exclude=frozenset({groups[0].incarnation}))).index == 1
         with pytest.raises(Unavailable):
-            await router.acquire(exclude=frozenset({0, 1}))
+            await router.acquire(exclude=frozenset(g.incarnation for g in groups))
+    run(main())
+
+
+def test_group_that_failed_a_request_takes_it_again_once_restarted():
+    async def main():
+        router, groups = _router(slots=(2,))
+        failed = frozenset({groups[0].incarnation})
+        with pytest.raises(Unavailable):
+            await router.acquire(exclude=failed)
+        router.set_health(groups[0], False, "rank 1 is not serving")
+        router.set_health(groups[0], True)  # restarted: a new generation
+        assert (await router.acquire(exclude=failed)).index == 0
+    run(main())
+
+
+def test_request_waits_for_a_restarting_group_within_unavailable_wait():
+    async def main():
+        router, groups = _router(slots=(2,), healthy=False, unavailable_wait=5.0)
+        waiter = asyncio.ensure_future(router.acquire(deadline=time.monotonic() + 5))
+        await asyncio.sleep(0.2)
+        assert not waiter.done() and router.queue_depth == 1
+        router.set_health(groups[0], True)
+        assert (await asyncio.wait_for(waiter, 2)).index == 0
+    run(main())
+
+
+def test_no_group_back_within_unavailable_wait_is_unavailable_with_the_reason():
+    async def main():
+        router, groups = _router(slots=(2,), healthy=False, unavailable_wait=0.3)
+        groups[0].reason = "health check failed: UNAVAILABLE"
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="after waiting 0.3 s.*health check failed"):
+            await router.acquire()
+        assert 0.25 < time.monotonic() - t0 < 2
+    run(main())
+
+
+def test_deadline_while_waiting_for_a_group_says_which_groups_are_down():
+    async def main():
+        router, groups = _router(slots=(2,), healthy=False, unavailable_wait=10)
+        groups[0].reason = "rank 0 is not serving"
+        with pytest.raises(DeadlineExceeded, match="come back.*rank 0 is not serving"):
+            await router.acquire(deadline=time.monotonic() + 0.2)
+    run(main())
+
+
+def test_waiter_no_group_can_take_does_not_hold_up_the_queue():
+    async def main():
+        router, groups = _router(slots=(1, 1), unavailable_wait=10)
+        await router.acquire()  # group 0 full
+        await router.acquire()  # group 1 full
+        # The head waiter failed on group 1 and waits; the next may take group 1's slot.
+        head = asyncio.ensure_future(router.acquire(exclude=frozenset({groups[1].incarnation})))
+        await asyncio.sleep(0.05)
+        nxt = asyncio.ensure_future(router.acquire())
+        await asyncio.sleep(0.05)
+        router.release(groups[1])
+        assert (await asyncio.wait_for(nxt, 2)).index == 1
+        assert not head.done()
+        router.release(groups[0])
+        assert (await asyncio.wait_for(head, 2)).index == 0
     run(main())
 
 
@@ -199,4 +260,33 @@ def test_queue_full_carries_a_retry_hint():
         with pytest.raises(ResourceExhausted) as info:
             await router.acquire()
         assert info.value.retry_after == 1.0
+    run(main())
+
+
+def test_waiters_for_a_down_group_do_not_fill_the_queue_for_requests_a_group_can_take():
+    async def main():
+        router, groups = _router(slots=(2, 2), max_queue=1, unavailable_wait=10)
+        router.set_health(groups[0], False, "restarting")
+        # A request that already failed on group 1 waits for group 0 to come back ...
+        waiter = asyncio.ensure_future(router.acquire(exclude=frozenset({groups[1].incarnation})))
+        await _until(lambda: router.queue_depth == 1)
+        # ... and a full queue does not refuse a request that group 1 can take now.
+        assert (await router.acquire()).index == 1
+        router.set_health(groups[0], True)
+        assert (await asyncio.wait_for(waiter, 2)).index == 0
+    run(main())
+
+
+def test_retry_waits_for_the_group_that_just_failed_it_to_be_restarted():
+    # The request's retry can come before the health checks mark its group down.
+    async def main():
+        router, groups = _router(slots=(2,), unavailable_wait=10)
+        failed = frozenset({groups[0].incarnation})
+        waiter = asyncio.ensure_future(router.acquire(exclude=failed, retry=True))
+        await _until(lambda: router.queue_depth == 1)
+        router.set_health(groups[0], False, "health check failed: UNAVAILABLE")
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        router.set_health(groups[0], True)
+        assert (await asyncio.wait_for(waiter, 2)).index == 0
     run(main())

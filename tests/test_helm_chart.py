@@ -288,6 +288,7 @@ def test_helm_notes_say_how_to_reach_the_gateway(chart):
     ({"worker": {"slots": -1}}, "/worker/slots"),
     ({"worker": {"groups": 0}}, "/worker/groups"),
     ({"gateway": {"port": 70000}}, "/gateway/port"),
+    ({"gateway": {"drainTimeoutSeconds": -1}}, "/gateway/drainTimeoutSeconds"),
     ({"model": {"source": "s3"}}, "/model/source"),
     ({"worker": {"tpp": 2}}, "tpp"),
 ])

@@ -126,3 +126,22 @@ def test_helm_mutual_tls_tokens_and_bind_flags_parse_for_every_component(chart):
     probe = grammar_obj["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
     assert probe["exec"]["command"][-4:] == ["--tls-cert", f"{d}/tls.crt", "--tls-key",
                                              f"{d}/tls.key"]
+
+
+@pytest.mark.parametrize("drain,sleep", [(None, None), (120, 0), (0, 15)])
+def test_helm_gateway_grace_period_covers_prestop_and_drain_timeout(chart, drain, sleep):
+    values = {k: v for k, v in (("drainTimeoutSeconds", drain), ("preStopSleepSeconds", sleep))
+              if v is not None}
+    deployment, args = pod_args(chart, {"gateway": values})["gateway"]
+    p = argparse.ArgumentParser()
+    add_gateway_args(p)
+    cfg = GatewayConfig.from_args(p.parse_args(args[1:]))
+    assert cfg.drain_timeout == (30 if drain is None else drain)
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    slept = float(command[-1].rsplit("(", 1)[1].rstrip(")"))
+    assert slept == (5 if sleep is None else sleep)
+    # Kubernetes kills the pod grace seconds after preStop begins: the preStop sleep and the
+    # whole drain must fit, with room to close the links afterwards.
+    assert pod["terminationGracePeriodSeconds"] >= slept + cfg.drain_timeout + 5

@@ -250,7 +250,7 @@ def test_lifecycle_errors_leak_nothing(system):
                               timeout=10).was_running
     tokens, finished = rank0.finished(tag)
     assert finished.reason == common_pb2.FINISH_REASON_CANCELLED and not tokens
-    # An allocation whose Admit never reaches rank 1 expires (admit timeout 10 s by default):
+    # An allocation whose Admit never reaches rank 1 expires (admit timeout 60 s by default):
     # closing the gateway's session on rank 0 frees it at once instead.
     orphan_client = GroupClient(system["tp2_addrs"])
     orphan_client.sessions[0].admit(worker_pb2.AdmitRequest(
