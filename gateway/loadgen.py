@@ -76,6 +76,16 @@ class Outcome:
     delta_tokens: int = 0
     finish_reason: str = ""
 
+    def arrived(self, start: float, last: float | None) -> float:
+        """A message with tokens arrived now: count it and its TTFT or gap; returns now."""
+        now = time.monotonic()
+        if last is None:
+            self.ttft = now - start
+        else:
+            self.gaps.append(now - last)
+        self.deltas += 1
+        return now
+
 
 def bench_parser(p: argparse.ArgumentParser) -> None:
     add_connection_args(p)
@@ -175,13 +185,7 @@ async def _one_http(client, model: str, req, guided: bool, timeout: float) -> Ou
                 out.tokens = chunk.usage.completion_tokens
             for c in chunk.choices:
                 if c.text:
-                    now = time.monotonic()
-                    if last is None:
-                        out.ttft = now - start
-                    else:
-                        out.gaps.append(now - last)
-                    last = now
-                    out.deltas += 1
+                    last = out.arrived(start, last)
                 if c.finish_reason:
                     out.finish_reason = c.finish_reason
                     valid = (c.model_extra or {}).get("schema_valid")
@@ -205,13 +209,7 @@ async def _one(stub, req, guided: bool, timeout: float) -> Outcome:
                 n = len(resp.delta.token_ids)
                 if not n:
                     continue
-                now = time.monotonic()
-                if last is None:
-                    out.ttft = now - start
-                else:
-                    out.gaps.append(now - last)
-                last = now
-                out.deltas += 1
+                last = out.arrived(start, last)
                 out.delta_tokens += n
             elif resp.HasField("final"):
                 out.tokens = resp.final.usage.completion_tokens

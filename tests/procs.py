@@ -104,3 +104,15 @@ def wait_serving(addresses: list[str], children: list[Child], timeout: float = 1
         pending = [a for a in pending if not check_health(a, timeout=1.0, **tls)]
         if pending:
             time.sleep(0.3)
+
+
+def read_until_up(proc: subprocess.Popen) -> tuple[list[str], str]:
+    """Read `gramserve up`'s output up to its "gramserve is up" line; (lines, gateway
+    address). Fails the test with the output when `up` exits first."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("gramserve is up"):
+            break
+    assert lines and lines[-1].startswith("gramserve is up"), "".join(lines)
+    return lines, lines[-1].split()[-1]

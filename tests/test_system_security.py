@@ -17,7 +17,7 @@ import grpc
 import pytest
 from conftest import RealSystem
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from procs import ROOT, metric
+from procs import ROOT, metric, read_until_up
 
 from gateway.dev_tls import ensure_dev_tls
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -209,13 +209,7 @@ def test_up_with_tls_dir_and_tokens_serves_over_mutual_tls(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
         start_new_session=True)
     try:
-        lines = []
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("gramserve is up"):
-                break
-        assert lines and lines[-1].startswith("gramserve is up"), "".join(lines)
-        addr = lines[-1].split()[-1]
+        _, addr = read_until_up(up)
         assert {p.name for p in (tmp_path / "tls").iterdir()} >= {"ca.crt", "tls.crt", "tls.key"}
         assert oct((tmp_path / "tls" / "tls.key").stat().st_mode)[-3:] == "600"
         cmd = [sys.executable, "-m", "gateway.cli", "generate", "--addr", addr, "--choice", "yes",

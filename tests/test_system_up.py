@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from procs import ROOT
+from procs import ROOT, read_until_up
 
 from protos.rpc import check_health
 
@@ -51,13 +51,7 @@ def test_up_starts_serves_and_stops_cleanly_without_orphans(tmp_path, gateways):
          "--slots", "2", "--max-model-len", "128", "--gateways", str(gateways)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env=env, cwd=ROOT, start_new_session=True)
     try:
-        lines = []
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("gramserve is up"):
-                break
-        assert lines and lines[-1].startswith("gramserve is up"), "".join(lines)
-        addr = lines[-1].split()[-1]
+        _, addr = read_until_up(up)
         metrics_lines = []
         for line in up.stdout:
             if "Ctrl-C" in line:
