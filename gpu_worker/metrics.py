@@ -55,7 +55,7 @@ class WorkerMetrics:
         self.accept_first_sampled = Counter(
             "gramserve_worker_accept_first_total",
             "Guided tokens sampled unmasked first (accept-first).", registry=registry)
-        self.accept_first_refused = Counter(
+        self.resamples = Counter(
             "gramserve_worker_resamples_total",
             "Accept-first tokens the grammar refused, resampled with the row's mask.",
             registry=registry)

@@ -187,9 +187,9 @@ class _InFlight:
     # Rows that asked for logprobs: (their indices in `rows`, (L, 1 + k) logprobs and
     # (L, k) token ids on the host, ready with `done`); None when no row asked.
     logprobs: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
-    # Accept-first rows: row index -> row of `saved`, the step's (R, V) logits as sampled
+    # Accept-first rows (indices in `rows`); `saved` is the step's (R, V) logits as sampled
     # (theirs unmasked), kept for a resample at the commit.
-    accept_first: dict[int, int] = field(default_factory=dict)
+    accept_first: frozenset[int] = frozenset()
     saved: torch.Tensor | None = None
     # The sampling batch's flags: a resample takes the same code path (bit for bit, I3).
     flags: SamplingFlags | None = None
@@ -469,7 +469,7 @@ class Engine:
         redo, self._redo = self._redo, None
         if not rows and redo is None:
             return None
-        parts, af = [], {}
+        parts, af = [], []
         lp = None
         if rows:
             if len(rows) < logits.shape[0]:
@@ -482,7 +482,7 @@ class Engine:
                 if r.req.matcher is None:
                     continue
                 if self._accept_first(r):
-                    af[j] = len(af)
+                    af.append(j)
                 else:
                     masked.append(j)
                     r.af_skip = max(0, r.af_skip - 1)
@@ -499,9 +499,7 @@ class Engine:
             self._suppress_early_stop(logits, rows)
             saved = None
             if af:
-                # Every row (one device copy, no index to send): row j of `saved` is row j.
-                saved = logits.clone()
-                af = {j: j for j in af}
+                saved = logits.clone()  # every row: one device copy, no index to send
                 self.stats["accept_first"] += len(af)
                 if self.metrics is not None:
                     self.metrics.accept_first_sampled.inc(len(af))
@@ -531,7 +529,8 @@ class Engine:
             r.pending = 1
         t["sample"] = time.perf_counter() - t_sample
         return _InFlight(rows, picked.clamp(min=0), host, done, self.step_index,
-                         {r.slot: j for j, r in enumerate(rows)}, lp, af, saved, flags)
+                         {r.slot: j for j, r in enumerate(rows)}, lp, frozenset(af), saved,
+                         flags)
 
     def _wait_jobs(self, jobs) -> float:
         """Wait for fill-thread jobs (None entries skipped); their fill seconds, summed. The
@@ -615,13 +614,13 @@ class Engine:
         rows = [inflight.rows[j] for j in refused]
         self.stats["resamples"] += len(rows)
         if self.metrics is not None:
-            self.metrics.accept_first_refused.inc(len(rows))
+            self.metrics.resamples.inc(len(rows))
         for r in rows:
             self._accept_first_result(r, refused=True)
         self._submit(rows, forced=False)
         self._wait_jobs([rows[0].job])
         logits = inflight.saved.index_select(
-            0, _index([inflight.accept_first[j] for j in refused], inflight.saved.device))
+            0, _index(refused, inflight.saved.device))
         # Staging set 1: set 0's copies for this step's own rows may still be queued.
         self.masks.apply(logits, list(range(len(rows))), [r.slot for r in rows], stage=1)
         # The flags of the step's batch: the sampler takes the path the row's first sampling

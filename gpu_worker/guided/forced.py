@@ -44,8 +44,6 @@ class ForcedScan:
     """Finds rows whose bitmask allows exactly one token below `vocab_size`."""
 
     def __init__(self, vocab_size: int, width: int):
-        self.vocab_size = vocab_size
-        self.width = width
         # Ids from vocab_size on are no tokens: whole words before `_full`, then the low
         # `_rest` bits of one more word.
         self._full, self._rest = divmod(min(vocab_size, 32 * width), 32)
