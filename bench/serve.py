@@ -34,6 +34,7 @@ import os
 import queue
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -299,7 +300,21 @@ def matrix_plan(ns) -> list[tuple[int, str, float]]:
                                                  for r in ns.ratios if r > 0]]
 
 
-def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str) -> list[dict]:
+def interleave(plans: dict[str, list], rounds: int):
+    """(round, run, setting) in the order runs are made: each round goes through the runs of
+    the first setting's plan (then the runs only other settings have), each run under every
+    setting whose plan has it, the settings' order reversed every other round."""
+    order = list(dict.fromkeys(run for plan in plans.values() for run in plan))
+    for rnd in range(1, rounds + 1):
+        names = list(plans) if rnd % 2 else list(reversed(plans))
+        for run in order:
+            for name in names:
+                if run in plans[name]:
+                    yield rnd, run, name
+
+
+def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
+               rnd: int = 1) -> list[dict]:
     """Every (concurrency, family, ratio) run of `plan`; returns one row dict each."""
     worker_url = next((u for k, u in stack.metrics.items() if "rank 0" in k), None)
     pids = roles(stack.proc.pid)
@@ -309,7 +324,7 @@ def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str) -> l
             before = scrape(worker_url) if worker_url else {}
             cpu0 = cpu_seconds(pids)
             t0 = time.monotonic()
-            spies = (start_profile(pids, ns, f"c{c}-{family}-{ratio:g}")
+            spies = (start_profile(pids, ns, f"{shortcuts}-r{rnd}-c{c}-{family}-{ratio:g}")
                      if f"{c}:{family}:{ratio:g}" in ns.profile else [])
             summary = run_load(addr, c, "short" if family == "-" else family, ratio, ns,
                                duration=ns.duration, requests=ns.requests)
@@ -326,10 +341,11 @@ def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str) -> l
             gw = [v for k, v in cores.items() if k.startswith("gateway")]
             cores.update(gateways_sum=round(sum(gw), 2), gateways_max=max(gw, default=0.0))
             row = {"concurrency": c, "family": family, "ratio": ratio, "shortcuts": shortcuts,
-                   **summary,
+                   "round": rnd, **summary,
                    "worker": metrics_delta(before, after), "wall_s": wall, "cpu_cores": cores}
             rows.append(row)
-            say_line(f"run shortcuts={shortcuts} c={c} family={family} ratio={ratio}: "
+            say_line(f"run round={rnd} shortcuts={shortcuts} c={c} family={family} "
+                     f"ratio={ratio}: "
                      f"{summary['output_tokens_per_second']:.0f} tok/s, "
                      f"{summary['ok']}/{summary['requests']} ok, errors {summary['errors']}, "
                      f"finish {summary['finish_reasons']}, "
@@ -515,15 +531,16 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
             "service eff. | guided ÷ unguided | ÷ HF | forced share | mask fills / out tok | "
             "steps / out tok | CPU cores gateways Σ / max / rank 0 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    # guided ÷ unguided against the unguided run of the same shortcuts setting
-    plain = {(r["concurrency"], r.get("shortcuts")): r["output_tokens_per_second"]
-             for r in rows if r["ratio"] == 0}
+    # guided ÷ unguided against the unguided run of the same shortcuts setting and round
+    plain = {(r["concurrency"], r.get("shortcuts"), r.get("round", 1)):
+             r["output_tokens_per_second"] for r in rows if r["ratio"] == 0}
+    rounds = max((r.get("round", 1) for r in rows), default=1)
     hf_plain = hf.get("hf_unconstrained", {}).get("tokens_per_s")
     for r in rows:
         tps = r["output_tokens_per_second"]
         engine = alone.get(f"decode_b{r['concurrency']}", {}).get("tokens_per_s")
         eff = f"{tps / engine:.2f}" if engine else "–"
-        base = plain.get((r["concurrency"], r.get("shortcuts")))
+        base = plain.get((r["concurrency"], r.get("shortcuts"), r.get("round", 1)))
         ratio_g = f"{tps / base:.2f}" if r["ratio"] > 0 and base else "–"
         w = r.get("worker", {})
         shares = " | ".join(f"{w[k]:.3f}" if k in w else "–" for k in
@@ -533,9 +550,10 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
             if r["ratio"] == 1.0 else None)
         vs_hf = f"{tps / ref:.2f}" if ref else "–"
         valid = r["schema_valid_rate"]
+        setting = r.get("shortcuts", "on") + (f" r{r.get('round', 1)}" if rounds > 1 else "")
         lines.append(
             f"| {r['concurrency']} | {r['family']} | {r['ratio']:.0%} | "
-            f"{r.get('shortcuts', 'on')} | {tps:,.0f} | "
+            f"{setting} | {tps:,.0f} | "
             f"{r['requests_per_second']:.1f} | {_ms(r['ttft_seconds'], 'p50')} / "
             f"{_ms(r['ttft_seconds'], 'p99')} | {_ms(r['inter_token_seconds'], 'p50')} / "
             f"{_ms(r['inter_token_seconds'], 'p99')} | {r['tokens_per_delta']:.2f} | "
@@ -560,7 +578,24 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
         lines.append(f"| {max(r['concurrency'] for r in rows) if rows else '–'} | load generator "
                      f"alone (fake gateways) | 0% | – | {client['output_tokens_per_second']:,.0f} |"
                      f"{blank}")
-    return "\n".join(lines)
+    return "\n".join(lines + settings_ratios(rows))
+
+
+def settings_ratios(rows: list[dict]) -> list[str]:
+    """Lines 'shortcuts on ÷ off' per run measured under both settings: output tokens/s of
+    the same round, interleaved, and their median over rounds."""
+    tps = {(r["concurrency"], r["family"], r["ratio"], r.get("shortcuts"), r.get("round", 1)):
+           r["output_tokens_per_second"] for r in rows}
+    out = []
+    for c, fam, ratio in dict.fromkeys(k[:3] for k in tps):
+        pairs = [tps[(c, fam, ratio, "on", n)] / tps[(c, fam, ratio, "off", n)]
+                 for (c2, f2, r2, s, n) in tps if (c2, f2, r2, s) == (c, fam, ratio, "on")
+                 and tps.get((c, fam, ratio, "off", n))]
+        if pairs:
+            each = ", ".join(f"{x:.2f}" for x in pairs)
+            out.append(f"shortcuts on ÷ off, c={c} {fam} {ratio:.0%} guided: "
+                       f"{statistics.median(pairs):.2f} (rounds: {each})")
+    return ["", *out] if out else []
 
 
 # ------------------------------------------------------------------------------- main
@@ -613,6 +648,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "stack runs --variant-runs with the other setting)")
     p.add_argument("--variant-runs", default="64:-:0,64:short:1,64:long:1,256:long:1",
                    help="c:family:ratio runs of the second --shortcuts setting")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times each run is made; the settings' stacks are all up at once and "
+                        "their runs interleave, the order alternating by round")
     p.add_argument("--train-steps", type=int, default=0,
                    help="fine-tune the checkpoint on the schemas first (bench/train_json.py), "
                         "at most this many steps; guided prompts then name their schema")
@@ -712,7 +750,7 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
     args = ["--device", ns.device, "--tp", "1", "--slots", str(ns.slots),
             "--gateways", str(ns.gateways),
-            "--model", str(model_dir), "--port", "0", "--metrics-port", "0",
+            "--model", str(model_dir), "--port", "0", "--metrics-port", "0", "--http-port", "-1",
             "--max-model-len", str(ns.max_model_len),
             "--max-queue", str(max(64, 2 * max(ns.concurrency))),
             "--startup-timeout", str(ns.startup_timeout)]
@@ -726,26 +764,35 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
                      f"errors {client['errors']}")
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             say_line(f"client check failed: {exc}")
-    for shortcuts in ns.shortcuts:
-        # The worker's --forced-tokens / --accept-first, through their GRAMSERVE_ variables.
-        flag = "1" if shortcuts == "on" else "0"
-        variant_env = dict(env, GRAMSERVE_FORCED_TOKENS=flag, GRAMSERVE_ACCEPT_FIRST=flag)
-        plan = matrix_plan(ns) if shortcuts == ns.shortcuts[0] else ns.variant_runs
-        stack = Stack(args, variant_env, out / f"stack-{shortcuts}.log")
-        try:
+    # Every --shortcuts setting has its own stack, all up at once on the one device; their
+    # runs interleave (the order of the settings alternates by round), so a difference
+    # between settings is not a difference between minutes of the device or host.
+    stacks: dict[str, Stack] = {}
+    plans: dict[str, list] = {}
+    try:
+        for shortcuts in ns.shortcuts:
+            # The worker's --forced-tokens / --accept-first, through their GRAMSERVE_ variables.
+            flag = "1" if shortcuts == "on" else "0"
+            variant_env = dict(env, GRAMSERVE_FORCED_TOKENS=flag, GRAMSERVE_ACCEPT_FIRST=flag)
+            plans[shortcuts] = (matrix_plan(ns) if shortcuts == ns.shortcuts[0]
+                                else ns.variant_runs)
+            stack = stacks[shortcuts] = Stack(args, variant_env, out / f"stack-{shortcuts}.log")
             say(f"starting the stack (forced tokens and accept-first {shortcuts})")
             addr = stack.start(ns.startup_timeout + 30)
-            say_line(f"stack up at {addr}; metrics {stack.metrics}")
+            say_line(f"stack up at {addr} (shortcuts {shortcuts}); metrics {stack.metrics}")
             c = max(ns.concurrency)
             for family in ns.families:  # compiles every schema, captures the decode graphs
                 warm = run_load(addr, c, family, 0.5, ns, duration=0, requests=c)
                 say_line(f"warm-up c={c} {family}: {warm['ok']}/{warm['requests']} ok, "
                          f"{warm['output_tokens_per_second']:.0f} tok/s, errors {warm['errors']}")
-            rows += run_matrix(addr, stack, ns, say_line, plan, shortcuts)
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            say_line(f"load runs failed: {exc}")
-        finally:
-            say("stopping the stack")
+        for rnd, run, shortcuts in interleave(plans, ns.rounds):
+            stack = stacks[shortcuts]
+            rows += run_matrix(stack.addr, stack, ns, say_line, [run], shortcuts, rnd)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        say_line(f"load runs failed: {exc}")
+    finally:
+        for shortcuts, stack in stacks.items():
+            say(f"stopping the stack (shortcuts {shortcuts})")
             stack.stop()
     try:
         engine_alone(model_dir, ns, device, dtype, alone)
