@@ -280,7 +280,7 @@ def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, dura
            "--max-tokens", str(ns.max_tokens), "--timeout", str(ns.request_timeout),
            "--backend", ns.backend,
            "--warmup", str(warmup), "--seed", str(int(ratio * 100) + concurrency)]
-    if ns.train_steps:
+    if getattr(ns, "train_steps", 0):
         cmd.append("--schema-prompts")
     cmd += ["--duration", str(duration)] if duration else ["--requests", str(requests)]
     cmd += ["--http", http] if http else []
