@@ -424,14 +424,17 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
         return {"": readiness.generate, SERVICE_NAME: readiness.generate,
                 **readiness.serving()}
 
+    health_lock = asyncio.Lock()  # one update at a time: a stale one never lands last
+
     async def update_health() -> None:
         if not health_ref:
             return
-        changed = {k: v for k, v in wanted().items() if published.get(k) != v}
-        published.update(changed)
-        for name, up in changed.items():
-            await health_ref[0].set(name, health_pb2.HealthCheckResponse.SERVING if up
-                                    else health_pb2.HealthCheckResponse.NOT_SERVING)
+        async with health_lock:
+            changed = {k: v for k, v in wanted().items() if published.get(k) != v}
+            published.update(changed)
+            for name, up in changed.items():
+                await health_ref[0].set(name, health_pb2.HealthCheckResponse.SERVING if up
+                                        else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def on_change(queue_depth: int, in_flight: int, healthy: int) -> None:
         metrics.queue_depth.set(queue_depth)
