@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.health import CAPABILITIES
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
 from protos.rpc import channel, check_health, env_default
 
@@ -232,12 +234,32 @@ def health_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=2.0)
 
 
+def _capabilities(addr: str, timeout: float) -> dict[str, bool]:
+    """A gateway's capabilities (gateway/health.py) -> SERVING; empty for a server that does
+    not report them (a worker, the grammar service) or does not answer."""
+    out = {}
+    with channel(addr) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for short, name in CAPABILITIES.items():
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=timeout)
+            except grpc.RpcError:
+                return {}
+            out[short] = resp.status == health_pb2.HealthCheckResponse.SERVING
+    return out
+
+
 def health_main(ns: argparse.Namespace) -> int:
-    """Exit 0 when every address answers SERVING; print one line per address."""
+    """Exit 0 when every address answers SERVING; print one line per address, with a
+    gateway's capabilities (a gateway whose grammar service is down still serves: exit 0,
+    `compile NOT SERVING`)."""
     addrs = ns.addr or [env_default("addr", "127.0.0.1:50051")]
     ok = True
     for addr in addrs:
         serving = check_health(addr, timeout=ns.timeout)
         ok &= serving
-        print(f"{addr}: {'SERVING' if serving else 'NOT SERVING'}")
+        caps = _capabilities(addr, ns.timeout)
+        detail = ", ".join(f"{k} {'SERVING' if v else 'NOT SERVING'}" for k, v in caps.items())
+        print(f"{addr}: {'SERVING' if serving else 'NOT SERVING'}"
+              + (f" ({detail})" if detail else ""))
     return 0 if ok else 1

@@ -59,3 +59,8 @@ class GatewayMetrics:
         self.healthy_groups = Gauge(
             "gramserve_gateway_healthy_groups", "Worker groups currently taking requests.",
             registry=registry)
+        self.grammar_service_up = Gauge(
+            "gramserve_gateway_grammar_service_up",
+            "1 while the grammar service answers the gateway's health checks (new grammars "
+            "compile), 0 while it does not (only grammars already compiled serve).",
+            registry=registry)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API, served on the gateway's own event loop.
 
 `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`
-(liveness) and `GET /ready` (503 while no worker group is healthy). Each request is
+(liveness) and `GET /ready` (what works now, gateway/health.py: 200 "ready" or "degraded",
+503 "unavailable" while no worker group is healthy or the gateway drains). Each request is
 translated (gateway/openai_translate.py, and back by gateway/openai_responses.py) into one GenerateRequest per choice and run through
 `GatewayServicer.generate`, the path the gRPC API takes: same validation, tokenisation,
 compilation, queue, slots and metrics. There is no second request runner.
@@ -224,7 +225,7 @@ async def _stream_body(fan: Fanout, writer: _ChatStream, buffered: list) -> Asyn
 
 def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
     """The FastAPI application over a GatewayServicer (its `authenticate`, `generate`,
-    `model_info`, `ready`, `limits`). `/v1/*` takes `Authorization: Bearer TOKEN` when the
+    `model_info`, `readiness`, `limits`). `/v1/*` takes `Authorization: Bearer TOKEN` when the
     gateway has tokens (401 without a valid one); `/health` and `/ready` stay open for probes."""
     app = FastAPI(title="gramserve", description="OpenAI-compatible API of gramserve",
                   docs_url=None, redoc_url=None)
@@ -240,11 +241,10 @@ def create_app(servicer, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
 
     @app.get("/ready")
     async def ready():
-        if servicer.ready():
-            return {"status": "ready"}
-        return _error_response(ot.OpenAIError(503, "no healthy worker group",
-                                              type="service_unavailable_error",
-                                              code="no_healthy_group"))
+        # 200 while generation works, also "degraded" (grammar service down: unguided
+        # requests and grammars already compiled still serve); 503 when it does not.
+        readiness = servicer.readiness()
+        return JSONResponse(readiness.as_dict(), status_code=200 if readiness.generate else 503)
 
     @app.get("/v1/models")
     async def models(request: Request):

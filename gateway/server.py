@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from gateway import auth
@@ -33,6 +34,7 @@ from gateway.choices import MAX_N, choice_requests, merged
 from gateway.config import GatewayConfig, add_gateway_args
 from gateway.generation import Job, Runner, service_error
 from gateway.grammar_refs import GrammarRefs
+from gateway.health import Readiness
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import create_app, start_http, stop_http
 from gateway.router import GroupState, Router
@@ -57,14 +59,15 @@ from protos.rpc import (
     aio_channel,
     create_aio_server,
     register_build_info,
-    set_serving_aio,
     start_metrics_server,
 )
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+_GRAMMAR_SERVICE = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
 _COMPILE_TIMEOUT = 120.0
+_GRAMMAR_CHECK_TIMEOUT = 2.0
 # Prompts longer than this (UTF-8 bytes) are tokenised on a thread, off the event loop.
 _INLINE_TOKENIZE_BYTES = 4096
 _TOKENIZE_THREADS = 2
@@ -89,6 +92,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._grammar_channel = aio_channel(config.grammar_service, tls_ca=config.ca_bytes(),
                                             tls_identity=config.tls_identity())
         self._grammar = grammar_pb2_grpc.GrammarServiceStub(self._grammar_channel)
+        self._grammar_health = health_pb2_grpc.HealthStub(self._grammar_channel)
+        self.grammar_service_up = False  # until the first check_grammar_service
         self._refs = GrammarRefs()
         self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.draining = False
@@ -201,10 +206,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """The bounds every request is validated against (the HTTP translation's too)."""
         return self._limits
 
-    def ready(self) -> bool:
-        """Whether the gateway takes requests: not draining, and at least one worker group
-        passes its health checks."""
-        return not self.draining and bool(self._router.healthy_groups())
+    def readiness(self) -> Readiness:
+        """What the gateway can do now (gateway/health.py): generate, compile, and why."""
+        return Readiness(draining=self.draining,
+                         healthy_groups=len(self._router.healthy_groups()),
+                         groups=len(self._router.groups),
+                         grammar_service_up=self.grammar_service_up,
+                         cached_grammars=len(self._refs))
+
+    async def check_grammar_service(self) -> bool:
+        """Ask the grammar service's health service whether it serves; remember and export
+        the answer (`grammar_service_up`). Never raises: no answer is False."""
+        try:
+            resp = await self._grammar_health.Check(
+                health_pb2.HealthCheckRequest(service=_GRAMMAR_SERVICE),
+                timeout=_GRAMMAR_CHECK_TIMEOUT)
+            up = resp.status == health_pb2.HealthCheckResponse.SERVING
+            why = "" if up else "it says NOT_SERVING"
+        except grpc.RpcError as exc:
+            up, why = False, f"health check failed: {exc.code().name}"
+        if up != self.grammar_service_up:
+            log.warning("grammar service %s is %s", self._config.grammar_service,
+                        "serving: new grammars compile" if up else
+                        f"unavailable ({why}): only grammars already compiled serve")
+        self.grammar_service_up = up
+        self._metrics.grammar_service_up.set(int(up))
+        return up
 
     def start_drain(self) -> None:
         """Refuse new requests (UNAVAILABLE) from now on; running ones go on."""
@@ -387,30 +414,43 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
     vocab = load_vocab(model_dir)
     states = [GroupState(index=i, addresses=g) for i, g in enumerate(config.groups)]
     health_ref: list = []
-    serving: list[bool] = []
+    published: dict[str, bool] = {}  # health service name -> SERVING, as last set
     servicer_ref: list = []
 
-    def should_serve() -> bool:
-        # SERVING while some group is healthy, and never again once a drain began.
-        return bool(router.healthy_groups()) and not (servicer_ref and servicer_ref[0].draining)
+    def wanted() -> dict[str, bool]:
+        # "" and the Gateway service: SERVING while some group is healthy, and never again
+        # once a drain began (= the generate capability); each capability under its name.
+        readiness = servicer_ref[0].readiness()
+        return {"": readiness.generate, SERVICE_NAME: readiness.generate,
+                **readiness.serving()}
+
+    health_lock = asyncio.Lock()  # one update at a time: a stale one never lands last
 
     async def update_health() -> None:
-        if health_ref and serving != [should_serve()]:
-            serving[:] = [should_serve()]
-            await set_serving_aio(health_ref[0], [SERVICE_NAME], serving[0])
+        if not health_ref:
+            return
+        async with health_lock:
+            changed = {k: v for k, v in wanted().items() if published.get(k) != v}
+            published.update(changed)
+            for name, up in changed.items():
+                await health_ref[0].set(name, health_pb2.HealthCheckResponse.SERVING if up
+                                        else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def on_change(queue_depth: int, in_flight: int, healthy: int) -> None:
         metrics.queue_depth.set(queue_depth)
         metrics.in_flight.set(in_flight)
         metrics.healthy_groups.set(healthy)
-        if health_ref and serving != [should_serve()]:
+        if health_ref and any(published.get(k) != v for k, v in wanted().items()):
             asyncio.get_running_loop().create_task(update_health())
 
     router = Router(states, config.max_queue, client_streams=config.client_max_streams,
                     client_queued=config.client_max_queued, unavailable_wait=config.unavailable_wait,
                     on_change=on_change)
     clients = [GroupClient(s, config.ca_bytes(), config.tls_identity()) for s in states]
-    monitor = HealthMonitor(router, clients, vocab.fingerprint, config.health_interval)
+    # The same rounds check the grammar service (the servicer exists before they start).
+    monitor = HealthMonitor(router, clients, vocab.fingerprint, config.health_interval,
+                            also=[lambda: servicer_ref[0].check_grammar_service()],
+                            on_checked=update_health)
     runner = Runner(router, clients, vocab.token_bytes, metrics, monitor.poke,
                     check_output_against_schema)
     # A model named by Hugging Face repo id is served under that id, not its snapshot's hash.
@@ -432,8 +472,7 @@ async def _build(config: GatewayConfig, registry: CollectorRegistry, gateway: Ga
         reflection=config.reflection,
         authenticate=servicer.authenticate if config.auth_tokens is not None else None)
     health_ref.append(health)
-    serving[:] = [should_serve()]
-    await set_serving_aio(health, [SERVICE_NAME], serving[0])
+    await update_health()
     gateway.port = port
     gateway._parts.update(server=server, monitor=monitor, servicer=servicer, clients=clients,
                           update_health=update_health)
@@ -443,8 +482,9 @@ def create_server(config: GatewayConfig, registry: CollectorRegistry | None = No
     """Load the vocabulary, connect to the groups, and start serving on config.host:port.
 
     The gateway runs on an event loop of its own thread; this call returns once it serves.
-    Group health is checked once before returning and then every `health_interval`
-    seconds; the gateway's health is SERVING while at least one group is. With
+    Group and grammar-service health are checked once before returning and then every
+    `health_interval` seconds; the gateway's health ("" and the Gateway service) is SERVING
+    while at least one group is, and each capability (gateway/health.py) has its own. With
     `config.http_port >= 0` the OpenAI-compatible HTTP API serves on the same loop
     (`Gateway.http_port` is its bound port). Raises ValueError for a bad model directory,
     RuntimeError when a port cannot be bound.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -215,14 +216,20 @@ class GroupClient:
 
 
 class HealthMonitor:
-    """A task that checks every group each `interval` seconds (sooner when poked)."""
+    """A task that checks every group each `interval` seconds (sooner when poked).
+
+    `also` are further checks run in the same round (the grammar service's); `on_checked`
+    is awaited after each round, once the router has every group's result."""
 
     def __init__(self, router: Router, clients: list[GroupClient], fingerprint: str,
-                 interval: float):
+                 interval: float, also: Sequence[Callable[[], Awaitable[object]]] = (),
+                 on_checked: Callable[[], Awaitable[None]] | None = None):
         self._router = router
         self._clients = clients
         self._fingerprint = fingerprint
         self._interval = interval
+        self._also = list(also)
+        self._on_checked = on_checked
         self._poke = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -240,8 +247,10 @@ class HealthMonitor:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def check_all(self) -> None:
-        """One round of checks (groups in parallel); updates the router."""
-        results = await asyncio.gather(*(c.check(self._fingerprint) for c in self._clients))
+        """One round of checks (groups and `also` in parallel); updates the router."""
+        results, _ = await asyncio.gather(
+            asyncio.gather(*(c.check(self._fingerprint) for c in self._clients)),
+            asyncio.gather(*(check() for check in self._also)))
         for client, (ok, reason, info) in zip(self._clients, results, strict=True):
             state = client.state
             if ok != state.healthy:
@@ -252,6 +261,8 @@ class HealthMonitor:
                 state, ok, reason,
                 num_slots=info.num_slots if info is not None else None,
                 max_model_len=info.max_model_len if info is not None else None)
+        if self._on_checked is not None:
+            await self._on_checked()
 
     async def _run(self) -> None:
         while True:

@@ -43,6 +43,7 @@ class WorkerConfig:
     tls_client_ca: str = ""
     metrics_host: str = "127.0.0.1"
     reflection: str = "on"
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self):
         checks = [
@@ -70,6 +71,7 @@ class WorkerConfig:
             (not self.tls_client_ca or bool(self.tls_cert), "tls-client-ca",
              "needs --tls-cert and --tls-key (mutual TLS is TLS first)"),
             (self.reflection in ("on", "off"), "reflection", "must be on or off"),
+            (self.drain_timeout_s >= 0, "drain-timeout", "must be >= 0"),
         ]
         for ok, flag, why in checks:
             if not ok:
@@ -160,4 +162,9 @@ def parser() -> argparse.ArgumentParser:
                    help="bind address of /metrics (loopback unless set)")
     p.add_argument("--reflection", default=e("reflection", "on"), choices=("on", "off"),
                    help="gRPC server reflection")
+    p.add_argument("--drain-timeout", dest="drain_timeout_s", type=float,
+                   default=e("drain_timeout", 30.0),
+                   help="on SIGTERM the whole group drains: health NOT_SERVING, admissions "
+                        "refused with UNAVAILABLE, running requests finish for up to this many "
+                        "seconds (then fail with UNAVAILABLE), and every rank exits 0")
     return p

@@ -2,8 +2,11 @@
 
 Rank r listens on --port + r and serves metrics on --metrics-port + r; all ranks meet at
 --host-local rendezvous 127.0.0.1:--dist-port (or --dist-host). Any other flag is passed to
-every rank unchanged. SIGTERM/SIGINT stop every rank; when one rank exits, the others are
-stopped and the launcher exits with that rank's status, so a supervisor restarts the group.
+every rank unchanged. SIGTERM/SIGINT are passed to every rank, which drain the group together
+(admissions refused, running requests finish for up to --drain-timeout seconds, then every
+rank exits 0); ranks still there 15 s after that are killed. When one rank exits on its own,
+the others are stopped and the launcher exits with that rank's status, so a supervisor
+restarts the group.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    help="rendezvous port")
     p.add_argument("--metrics-port", type=int, default=env_default("metrics_port", -1),
                    help="metrics port of rank 0 (rank r: port + r); -1 = off")
+    p.add_argument("--drain-timeout", type=float, default=env_default("drain_timeout", 30.0),
+                   help="passed to every rank: seconds running requests may finish after "
+                        "SIGTERM (the launcher waits that long plus 15 s for the ranks)")
     args, rest = p.parse_known_args(argv)
     if args.tp < 1:
         p.error("--tp must be >= 1")
@@ -41,7 +47,8 @@ def rank_command(args: argparse.Namespace, rest: list[str], rank: int) -> list[s
     metrics = args.metrics_port + rank if args.metrics_port >= 0 else -1
     return [sys.executable, "-m", "gpu_worker", "--rank", str(rank), "--tp", str(args.tp),
             "--dist-addr", f"{args.dist_host}:{args.dist_port}", "--host", args.host,
-            "--port", str(args.port + rank), "--metrics-port", str(metrics), *rest]
+            "--port", str(args.port + rank), "--metrics-port", str(metrics),
+            "--drain-timeout", str(args.drain_timeout), *rest]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,14 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.2)
     for p in procs:
         if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + 10
+            p.terminate()  # a rank drains its whole group, within --drain-timeout
+    deadline = time.monotonic() + (args.drain_timeout + 15 if stopping else 10)
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    if stopping:  # a rank that did not drain cleanly (or was killed) fails the launcher
+        code = next((p.returncode for p in procs if p.returncode), 0)
     return code if code else 0
 
 

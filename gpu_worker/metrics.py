@@ -81,6 +81,10 @@ class WorkerMetrics:
         self.grammar_cache_bytes = Gauge(
             "gramserve_worker_grammar_cache_bytes",
             "Serialized bytes of the compiled grammars cached on this rank.", registry=registry)
+        self.draining = Gauge(
+            "gramserve_worker_draining",
+            "1 while the rank's group drains (admissions refused, running requests finish).",
+            registry=registry)
         self.admit_expired = Counter(
             "gramserve_worker_admit_expired_total",
             "Allocations dropped because their Admit never reached every rank.",

@@ -289,6 +289,7 @@ def test_helm_notes_say_how_to_reach_the_gateway(chart):
     ({"worker": {"groups": 0}}, "/worker/groups"),
     ({"gateway": {"port": 70000}}, "/gateway/port"),
     ({"gateway": {"drainTimeoutSeconds": -1}}, "/gateway/drainTimeoutSeconds"),
+    ({"worker": {"drainTimeoutSeconds": -1}}, "/worker/drainTimeoutSeconds"),
     ({"model": {"source": "s3"}}, "/model/source"),
     ({"worker": {"tpp": 2}}, "tpp"),
 ])

@@ -145,3 +145,20 @@ def test_helm_gateway_grace_period_covers_prestop_and_drain_timeout(chart, drain
     # Kubernetes kills the pod grace seconds after preStop begins: the preStop sleep and the
     # whole drain must fit, with room to close the links afterwards.
     assert pod["terminationGracePeriodSeconds"] >= slept + cfg.drain_timeout + 5
+
+
+@pytest.mark.parametrize("drain", [None, 120, 0])
+def test_helm_worker_grace_period_covers_the_group_drain(chart, drain):
+    values = {"tp": 2, **({"drainTimeoutSeconds": drain} if drain is not None else {})}
+    sts, args = pod_args(chart, {"worker": values})["worker-group"]
+    ns, rest = launch.parse(args[1:])
+    expected = 30 if drain is None else drain
+    assert ns.drain_timeout == expected
+    # Every rank gets the launcher's drain timeout (they drain as one group).
+    ranks = [WorkerConfig.from_args(launch.rank_command(ns, rest, r)[3:]) for r in range(2)]
+    assert [c.drain_timeout_s for c in ranks] == [expected, expected]
+    # The kubelet kills the pod grace seconds after SIGTERM: the drain, the ranks' exit and
+    # the launcher's own 15 s wait for them must fit.
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= expected + 15 + 5
+

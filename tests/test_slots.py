@@ -42,6 +42,21 @@ def test_slot_starts_only_when_every_rank_holds_the_admit(group):
     assert d1.starts[0].payload == "A1"  # each rank keeps its own payload (own matcher: I1)
 
 
+def test_draining_group_starts_no_pending_admit_but_still_releases(group):
+    r0, r1 = group
+    run = r0.allocate("run", payload="R")
+    r1.register(run.slot, "run", payload="R1")
+    step(r0, r1)
+    late = r0.allocate("late", payload="L")
+    r1.register(late.slot, "late", payload="L1")
+    r1.request_release(run.slot, "run")
+    reduced = reduce_max(r0.local_vector(), r1.local_vector())
+    for t in (r0, r1):
+        d = t.apply(reduced, admit=False)
+        assert d.starts == [] and [e.request_id for e in d.releases] == ["run"]
+    assert [s for s, _ in r0.snapshot()][:2] == ["free", "pending"]
+
+
 def test_mismatched_request_ids_never_start(group):
     r0, r1 = group
     entry = r0.allocate("a", payload=None)

@@ -19,6 +19,7 @@ import grpc
 import pytest
 from procs import ROOT, metric
 
+from gateway.health import COMPILE, GENERATE
 from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
 from protos.rpc import channel, check_health
 
@@ -131,6 +132,11 @@ def test_killed_grammar_service_is_restarted_while_compiled_grammars_keep_servin
         assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
         assert "grammar service" in exc.details()
     back = up.wait_line(r"grammar-service is serving again", 120, mark)
+    # The gateway's next health rounds (every 2 s) see it back: compile SERVING again.
+    while not check_health(up.gateway, service=COMPILE):
+        assert time.monotonic() - back < 10, "compile not SERVING after the service returned"
+        time.sleep(0.2)
+    assert check_health(up.gateway, service=GENERATE)
     while True:  # the gateway reconnects within about a second of the service's return
         try:
             final = list(stub.Generate(_schema_request(new, 4), timeout=120))[-1].final

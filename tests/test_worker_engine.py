@@ -4,6 +4,7 @@ Triton kernel under the interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -14,7 +15,14 @@ import xgrammar as xgr
 from constraints import SCHEMAS, constraint_mix, is_valid
 from engine_harness import EngineHarness
 
-from gpu_worker.control.engine import DEAD_END, GRAMMAR_COMPLETED, LENGTH, STOP, Request
+from gpu_worker.control.engine import (
+    DEAD_END,
+    GRAMMAR_COMPLETED,
+    LENGTH,
+    STOP,
+    UNAVAILABLE,
+    Request,
+)
 from grammar_service.default_model import ensure_default_model
 
 
@@ -291,3 +299,48 @@ def test_guided_logprobs_cover_only_tokens_the_grammar_allows(harness, compiled)
             matcher.rollback(1)
         assert sum(math.exp(v) for v in top_lps) <= 1 + 1e-4
         assert matcher.accept_token(token)
+
+
+def _drain_until_done(h: EngineHarness, steps: int = 500) -> dict[str, list]:
+    """Step a draining engine until it ends; each request's RowOutputs."""
+    for _ in range(steps):
+        if h.engine.drained.is_set():
+            break
+        h.engine.step()
+    assert h.engine.drained.is_set(), "the drain did not end"
+    out: dict[str, list] = {}
+    for o in h._outputs:
+        out.setdefault(o.req.request_id, []).append(o)
+    return out
+
+
+def test_drain_finishes_running_rows_starts_nothing_new_then_ends(model_dir):
+    h = EngineHarness(model_dir, slots=2)
+    h.table.allocate("running", make(h, "running", max_tokens=16, ignore_eos=True))
+    h.engine.step()
+    h.engine.step()
+    h.engine.drain()
+    # An admission that got in before the drain was seen: it never starts, it is dropped.
+    late = h.table.allocate("late", make(h, "late", max_tokens=4))
+    dropped = []
+    late.on_drop = lambda entry, reason: dropped.append(reason)
+    out = _drain_until_done(h)
+    finish = out["running"][-1].finish
+    assert finish.reason == LENGTH and sum(len(o.tokens) for o in out["running"]) == 16
+    assert "late" not in out and dropped == ["shutdown"]
+    assert h.table.in_use() == 0 and not h.engine.runs
+
+
+def test_drain_timeout_fails_running_rows_with_unavailable(model_dir):
+    h = EngineHarness(model_dir, slots=2)
+    h.engine.cfg = dataclasses.replace(h.engine.cfg, drain_timeout_s=0.0)
+    h.table.allocate("long", make(h, "long", max_tokens=200, ignore_eos=True))
+    h.engine.step()
+    h.engine.step()
+    h.engine.drain()
+    out = _drain_until_done(h, steps=2)  # the deadline passes at the next step
+    finish = out["long"][-1].finish
+    assert finish.reason == UNAVAILABLE and finish.code == 14, finish
+    assert "drain timeout" in finish.message
+    assert h.table.in_use() == 0 and not h.engine.runs
+

@@ -342,3 +342,40 @@ def test_killed_rank_makes_its_peer_exit_in_bounded_time(system):
         client.close()
         for p in ranks:
             p.stop()
+
+
+def test_sigterm_drains_the_group_running_request_finishes_new_ones_refused(system):
+    """SIGTERM to a group's launcher, as Kubernetes stops a worker pod: every rank turns
+    NOT_SERVING and refuses admissions with UNAVAILABLE (the gateway admits elsewhere), the
+    running request still gets all its tokens, and every rank exits 0 (the lockstep held to
+    the last step: a rank left waiting in a collective would exit 3)."""
+    import os
+    import signal
+
+    from worker_procs import start_group
+
+    from protos.rpc import check_health
+
+    proc, addrs, _ = start_group(system["model_dir"], system["grammar"], system["root"], tp=2,
+                                 slots=2, extra=["--drain-timeout", "60"])
+    client = GroupClient(addrs)
+    try:
+        v = system["vocab"]
+        _, tag, _ = _admit(client, "drained", v.encode("hello"), max_tokens=240,
+                           ignore_eos=True)
+        client.sessions[0].wait_tokens(tag, 1)
+        os.kill(proc.popen.pid, signal.SIGTERM)  # the launcher passes it to every rank
+        deadline = time.monotonic() + 10
+        while any(check_health(a, timeout=1) for a in addrs):
+            assert time.monotonic() < deadline, "still SERVING after SIGTERM"
+            time.sleep(0.05)
+        err = _refused(client.sessions[0], worker_pb2.AdmitRequest(
+            request_id="late", slot=-1, prompt_token_ids=v.encode("hi")))
+        assert err.code == grpc.StatusCode.UNAVAILABLE and "draining" in err.details, err
+        tokens, finished = client.sessions[0].finished(tag, timeout=120)
+        assert finished.reason == common_pb2.FINISH_REASON_LENGTH, finished
+        assert len(tokens) == 240
+        assert proc.popen.wait(timeout=60) == 0
+    finally:
+        client.close()
+        proc.stop()

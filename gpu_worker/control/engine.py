@@ -32,6 +32,16 @@ Two shortcuts do less work for exactly the same tokens (each can be turned off):
   that follows the grammar keeps nearly every row accept-first. A row's mode is decided when
   its previous token is accepted (its mask fill starts then, or never). (Every rank sees the
   same acceptances in the same order, so every rank makes the same choices.)
+
+Drain (SIGTERM): `drain()` asks this rank's group to start nothing more and to end once its
+running rows finish, within `drain_timeout_s`. The request travels in the control all-reduce
+with the admissions (two more MAX fields: "some rank drains", "some rank's drain deadline
+passed"), so every rank learns it at the same step, even one that got no signal, and every
+rank ends at the same step: the first with nothing running and nothing in flight (the same
+state everywhere, I2/I3), or the step where a deadline passed, which fails the rows still
+running with UNAVAILABLE. No rank leaves a peer waiting in a collective. Admissions still
+pending are dropped at the end; their gateways admit them elsewhere (they produced nothing).
+
 The engine imports neither grpc nor protos: it hands each step's typed outputs (RowOutput,
 Finish) to `publish`, and the server translates them.
 """
@@ -235,6 +245,7 @@ class EngineConfig:
     forced_tokens: bool = True       # follow single-allowed tokens without sampling
     accept_first: bool = True        # sample temperature-only guided rows unmasked first
     accept_first_max_backoff: int = 64
+    drain_timeout_s: float = 30.0    # after drain(): running rows finish within this
 
 
 class Engine:
@@ -242,7 +253,8 @@ class Engine:
 
     `publish(outputs)` (rank 0) receives, once per step, every request's RowOutput of that
     step; it runs on the engine thread and must only hand the list on. `stats` counts what
-    the shortcuts did (also exported as metrics).
+    the shortcuts did (also exported as metrics). `on_drain()` runs (engine thread) at the
+    step the group starts draining, `on_drained()` once the loop ended after a drain.
     """
 
     def __init__(self, cfg: EngineConfig, model, table: SlotTable, control: ControlChannel, *,
@@ -290,6 +302,12 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.failed: BaseException | None = None
         self.last_step_timings: dict[str, float] = {}
+        self.on_drain: Callable[[], None] | None = None
+        self.on_drained: Callable[[], None] | None = None
+        self.drain_requested = False  # drain() was called on this rank
+        self.draining = False  # the group drains (some rank's drain reached the lockstep)
+        self.drained = threading.Event()  # the group drained; the loop has ended
+        self._drain_deadline: float | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -302,10 +320,19 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def drain(self) -> None:
+        """Ask the group to drain (any thread; idempotent): from the next step no request
+        starts on any rank, running rows go on for up to `drain_timeout_s` seconds, then the
+        loop ends on every rank at the same step (`drained`, `on_drained`). Admissions must
+        be refused from now on (the caller's part: `draining or drain_requested`)."""
+        self.drain_requested = True
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
                 self.step()
+            if self.drained.is_set() and self.on_drained is not None:
+                self.on_drained()
         except BaseException as exc:  # a lost peer, or a bug: this rank cannot go on
             self.failed = exc
             log.error("engine stopped: %s", exc, exc_info=not isinstance(exc, RuntimeError))
@@ -328,7 +355,8 @@ class Engine:
         """
         if not self.runs and self._inflight is None:
             self.table.wait_for_change(self.cfg.idle_poll_s)
-        self._lockstep()
+        if self._lockstep():
+            return self._end_drain(timed_out=True)
         with torch.inference_mode():
             t0 = time.perf_counter()
             seqs = self._plan() if self.runs else []
@@ -342,15 +370,35 @@ class Engine:
             if seqs:
                 self._record(seqs, t, time.perf_counter() - t0)
         self._flush()
+        if self.draining and not self.runs and self._inflight is None and self._redo is None:
+            self._end_drain(timed_out=False)
 
-    def _lockstep(self) -> None:
-        """The control all-reduce: starts and releases take effect here on every rank (I2)."""
+    def _lockstep(self) -> bool:
+        """The control all-reduce: starts and releases take effect here on every rank (I2),
+        and so does a drain. True when a drain deadline passed on some rank (the group ends
+        now)."""
+        now = time.monotonic()
+        if self.drain_requested and self._drain_deadline is None:
+            self._drain_deadline = now + self.cfg.drain_timeout_s
+        overdue = self._drain_deadline is not None and now >= self._drain_deadline
         try:
-            reduced = self.control.all_reduce_max(self.table.local_vector())
+            reduced = self.control.all_reduce_max(
+                self.table.local_vector() + [int(self.drain_requested), int(overdue)])
         except BaseException:
             self.table.abort_step()
             raise
-        decision = self.table.apply(reduced)
+        *reduced, drain, overdue = reduced
+        if drain and not self.draining:
+            # Learned here by every rank at once; the deadline runs from now on those that
+            # got no drain() themselves.
+            self.draining = True
+            if self._drain_deadline is None:
+                self._drain_deadline = now + self.cfg.drain_timeout_s
+            log.info("draining: no new requests start; %d running (up to %g s)",
+                     len(self.runs), self.cfg.drain_timeout_s)
+            if self.on_drain is not None:
+                self.on_drain()
+        decision = self.table.apply(reduced, admit=not self.draining)
         for entry in decision.releases:
             self._finish(self.runs[entry.slot], CANCELLED, "released", table_done=True)
         for entry in decision.starts:
@@ -363,6 +411,22 @@ class Engine:
                                         af_backoff=start, af_skip=start)
         self.step_index += 1
         self._update_gauges()
+        return bool(overdue)
+
+    def _end_drain(self, timed_out: bool) -> None:
+        """End the loop of a drained group (the same step on every rank): rows still running
+        fail with UNAVAILABLE (the deadline passed), pending admissions are dropped (their
+        gateways admit them elsewhere)."""
+        if timed_out:
+            log.warning("drain timeout: failing %d running requests", len(self.runs))
+            self._inflight = self._redo = None
+        self._fail_all(UNAVAILABLE, f"the worker group shut down: its drain timeout "
+                                    f"({self.cfg.drain_timeout_s:g} s) passed before this "
+                                    "request finished")
+        self._flush()
+        self._update_gauges()
+        self.drained.set()
+        self._stop.set()
 
     def _plan(self) -> list[Seq]:
         """The sequences of this step; the same result on every rank. A decode row feeds its

@@ -1,7 +1,10 @@
 """The Worker gRPC service of one rank: translates between protos and the engine.
 
 `serve(cfg)` builds the rank (distributed groups, model, slot table, grammar cache, engine)
-and its server; `main(argv)` is `gramserve worker`.
+and its server; `main(argv)` is `gramserve worker`. SIGTERM drains the rank's whole group
+(gpu_worker/control/engine.py): every rank reports NOT_SERVING and refuses admissions with
+UNAVAILABLE (the gateway admits the request on another group), running requests finish for
+up to --drain-timeout seconds, then every rank exits 0.
 """
 
 from __future__ import annotations
@@ -260,7 +263,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_model_len=r.cfg.max_model_len, model=str(r.model_dir),
             vocab_fingerprint=r.vocab.fingerprint, vocab_size=r.vocab.vocab_size,
             model_vocab_size=r.vocab.model_vocab_size, slots=slots, device=str(r.device),
-            dtype=str(r.dtype).removeprefix("torch."), serving=r.serving)
+            dtype=str(r.dtype).removeprefix("torch."), serving=r.serving and not r.draining)
 
 
 def _dropped(entry, reason: str) -> None:
@@ -287,12 +290,22 @@ class Rank:
     admit_pool: ThreadPoolExecutor
     serving: bool = True
 
+    @property
+    def draining(self) -> bool:
+        """This rank was told to drain, or its group drains."""
+        return self.engine.drain_requested or self.engine.draining
+
     def admit(self, msg: worker_pb2.AdmitRequest, session: Session) -> Entry:
         """Validate an Admit, pin its grammar, build this rank's own matcher (I1) and claim
         the slot (rank 0 allocates; other ranks register rank 0's choice). Raises
         ServiceError; on failure nothing is held."""
         if not self.serving:
             raise Unavailable("this worker rank lost its group and is shutting down")
+        if self.draining:
+            # Any rank refusing keeps the request from starting anywhere (the lockstep
+            # starts a slot only once every rank holds its Admit).
+            raise Unavailable("this worker group is draining (shutting down); admit the "
+                              "request on another group")
         req = request_from_proto(msg, self.vocab, self.cfg.max_model_len)
         req.tag = msg.tag
         if msg.grammar_key:
@@ -380,7 +393,8 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
                          divergence_check_every=cfg.divergence_check_every,
                          cuda_graph_max_tokens=cfg.cuda_graph_max_tokens,
                          mask_fill_threads=cfg.mask_fill_threads,
-                         forced_tokens=cfg.forced_tokens, accept_first=cfg.accept_first),
+                         forced_tokens=cfg.forced_tokens, accept_first=cfg.accept_first,
+                         drain_timeout_s=cfg.drain_timeout_s),
         model, table, ControlChannel(control_group, cfg.tp),
         vocab_size=vocab.vocab_size, model_vocab_size=model.config.vocab_size,
         eos_token_ids=vocab.eos_token_ids, device=device, metrics=metrics)
@@ -417,7 +431,14 @@ def serve(cfg: WorkerConfig, registry: CollectorRegistry | None = None):
 
         threading.Thread(target=die, daemon=True).start()
 
+    def on_drain() -> None:
+        # Out of the gateways' rotation at their next health check; admissions are refused
+        # meanwhile (Rank.admit), which they retry on another group.
+        set_serving(health, [SERVICE_NAME], False)
+        rank.metrics.draining.set(1)
+
     rank.engine.on_fatal = on_fatal
+    rank.engine.on_drain = on_drain
     rank.engine.start()
     register_build_info(registry, "worker", torch=torch.__version__,
                         xgrammar=importlib.metadata.version("xgrammar"))
@@ -439,8 +460,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server, _, rank = serve(cfg)
     stop = threading.Event()
+    rank.engine.on_drained = stop.set  # the group drained (this rank's signal or a peer's)
+
+    def on_signal(*_) -> None:
+        # Repeated signals change nothing (Ctrl-C reaches a launcher's ranks too, and the
+        # launcher passes it on): stopping one rank early would stall its peers.
+        if not rank.engine.drain_requested:
+            log.info("rank %d draining its group (up to %g s)", cfg.rank, cfg.drain_timeout_s)
+            rank.engine.drain()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     stop.wait()
     log.info("rank %d stopping", cfg.rank)
     server.stop(grace=2.0).wait(3.0)

@@ -227,8 +227,10 @@ class SlotTable:
             self._on_expire(len(expired))
         return vec
 
-    def apply(self, reduced: list[int]) -> StepDecision:
-        """Apply the all-reduced (MAX) control vector: the same decision on every rank."""
+    def apply(self, reduced: list[int], admit: bool = True) -> StepDecision:
+        """Apply the all-reduced (MAX) control vector: the same decision on every rank.
+        With `admit` False (a draining group: the same on every rank) no pending request
+        starts; releases apply as always."""
         assert len(reduced) == FIELDS_PER_SLOT * self.num_slots
         starts, releases = [], []
         with self._cond:
@@ -240,7 +242,7 @@ class SlotTable:
                     self._end(slot, running)
                 elif release:
                     self._release[slot] = False
-                if max_key >= 0 and max_key == -max_neg_key:
+                if admit and max_key >= 0 and max_key == -max_neg_key:
                     entry = self._pending[slot]
                     # Every rank holds an Admit with this key, ours included.
                     assert entry is not None and entry.key == max_key, "lockstep broken"
