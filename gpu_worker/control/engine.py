@@ -16,7 +16,9 @@ One step, identical on every rank:
 Two shortcuts do less work for exactly the same tokens (each can be turned off):
 - Forced tokens (`forced_tokens`): where the fill thread fills a row's mask, it also follows
   the chain of tokens the row's grammar allows alone (gpu_worker.guided.forced). The row
-  skips sampling, its chain is emitted at once and fed to its next forward as one chunk.
+  skips sampling; its chain is emitted before the next forward, which it feeds as one chunk.
+  (The step loop is overlapped, so a chain of n tokens saves n - 1 steps: the forward
+  launched while the chain was found had the token before it.)
 - Accept-first (`accept_first`): sampling is argmax(logits / T + g) with per-request noise g,
   so when the argmax over the whole vocabulary is a token the grammar allows, it is also the
   argmax over the allowed tokens: the token mask-first sampling gives. Rows sampled greedily
@@ -60,7 +62,7 @@ import torch
 
 from gpu_worker.control.lockstep import ControlChannel, diverged_rows
 from gpu_worker.control.slots import Entry, SlotTable
-from gpu_worker.guided.forced import ForcedScan, RowJob, prepare
+from gpu_worker.guided.forced import ForcedScan, RowJob, follow, prepare
 from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 from gpu_worker.sampling.sampler import SamplingBatch, SamplingFlags, sample
@@ -154,6 +156,9 @@ class Run:
     # state after `prep.chain`.
     job: Future | None = None
     prep: RowJob | None = None
+    # The job following the rest of a forced chain `job` started (prep.chain non-empty once
+    # `job` is done): waited for before the forward that feeds the chain.
+    follow: Future | None = None
     stops: frozenset[int] = frozenset()  # ids that end the output (engine, request, grammar)
     af_backoff: int = 0            # accept-first: mask-first tokens after the next refusal
     af_skip: int = 0               # accept-first: mask-first tokens left before trying again
@@ -359,9 +364,10 @@ class Engine:
             return self._end_drain(timed_out=True)
         with torch.inference_mode():
             t0 = time.perf_counter()
+            chains = self._take_chains() if self.runs else 0.0
             seqs = self._plan() if self.runs else []
             logits = self._execute(seqs) if seqs else None
-            t = {"forward": time.perf_counter() - t0}
+            t = {"forward": time.perf_counter() - t0, "chain_wait": chains}
             if self._inflight is not None:
                 inflight, self._inflight = self._inflight, None
                 self._commit(inflight, t)
@@ -525,10 +531,10 @@ class Engine:
         t["mask_fill_exposed"] = t_mask - t_wait
         for r in live:
             r.job = None  # done; `prep` keeps its results until the row samples
-            if r.prep is not None and r.prep.chain:
-                self._take_chain(r)
+        # A row whose job found a forced token samples nothing now: its chain is taken (and
+        # fed) at the next step.
         keep = [i for i, s in enumerate(seqs) if s.samples and self.runs.get(s.run.slot) is s.run
-                and s.run.fed == s.run.known]
+                and s.run.fed == s.run.known and not (s.run.prep and s.run.prep.chain)]
         rows = [seqs[i].run for i in keep]
         redo, self._redo = self._redo, None
         if not rows and redo is None:
@@ -555,7 +561,7 @@ class Engine:
                 self._submit(stale, forced=False)
                 t["mask_fill"] += self._wait_jobs([r.job for r in stale])
             for r in rows:
-                r.job = r.prep = None
+                r.job = r.prep = r.follow = None
                 r.af_next = None
             t_mask = time.perf_counter()
             if masked:
@@ -707,9 +713,11 @@ class Engine:
         jobs = [RowJob(r.req.matcher, r.slot, max(0, min(
             r.req.max_tokens - r.known, self.cfg.max_model_len - r.prefilled - r.known)), r.stops)
             for r in runs]
-        future = self._fill_pool.submit(prepare, self.masks, self.scan if forced else None, jobs)
+        scan = self.scan if forced else None
+        future = self._fill_pool.submit(prepare, self.masks, scan, jobs)
+        rest = self._fill_pool.submit(follow, self.masks, scan, jobs) if scan else None
         for r, job in zip(runs, jobs, strict=True):
-            r.job, r.prep = future, job
+            r.job, r.prep, r.follow = future, job, rest
 
     def _advance(self, r: Run, token: int, diverged: bool, logprob=None,
                  accept_first: bool = False) -> bool:
@@ -741,6 +749,20 @@ class Engine:
             self._accept_first_result(r, refused=False)
         self._take(r, token, logprob)
         return True
+
+    def _take_chains(self) -> float:
+        """Wait for the `follow` jobs of the rows whose forced chain started at the previous
+        step and emit their chains (the next plan feeds them); the seconds waited."""
+        rows = [r for r in self.runs.values() if r.follow is not None]
+        if not rows:
+            return 0.0
+        t0 = time.perf_counter()
+        self._wait_jobs([r.follow for r in rows])
+        for r in rows:
+            r.follow = None
+            if r.prep is not None and r.prep.chain and self.runs.get(r.slot) is r:
+                self._take_chain(r)
+        return time.perf_counter() - t0
 
     def _take_chain(self, r: Run) -> None:
         """Emit the forced tokens its job accepted into r's matcher (log-probability 0: the
