@@ -637,6 +637,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="engine-alone timed steps")
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--no-engine-alone", action="store_true",
+                   help="skip the engine-alone rows (the service runs only)")
     p.add_argument("--client-servers", type=int, default=4,
                    help="fake-gateway processes for the load generator's own ceiling (0: skip)")
     p.add_argument("--profile", default="",
@@ -795,7 +797,8 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
             say(f"stopping the stack (shortcuts {shortcuts})")
             stack.stop()
     try:
-        engine_alone(model_dir, ns, device, dtype, alone)
+        if not ns.no_engine_alone:
+            engine_alone(model_dir, ns, device, dtype, alone)
     except Exception as exc:  # keep the service rows and what was measured
         say_line(f"engine alone failed: {type(exc).__name__}: {exc}")
     if not ns.no_hf:

@@ -6,6 +6,16 @@ guided answers are. The grammars are compiled as the grammar service compiles a 
 with compact whitespace. Counts include the final EOS.
 
     PYTHONPATH=$PWD python bench/schemas/check.py --tokenizer .bench/tok150k.json
+
+With `--forced`, the bound forced tokens put on steps per output token instead: valid
+instances of each family (bench/train_json.py's generator, the answers a model that follows
+the schema gives), in the tokenizer's own encoding, stepped through the matcher; a token is
+forced where the mask allows it alone. A chain of n forced tokens after a sampled one is fed
+as one chunk, so an overlapped step loop (the forward of step k launched before step k-1's
+token is on the host) spends sampled + chains steps, and a loop that waited for every token
+before each forward would spend sampled steps: the best either could do.
+
+    PYTHONPATH=$PWD python bench/schemas/check.py --tokenizer .bench/tok150k.json --forced
 """
 
 from __future__ import annotations
@@ -84,6 +94,48 @@ def family_counts(model_dir: Path, family: str, samples: int, limit: int = 512,
             "max": int(max(counts)), "unfinished": unfinished, "per_schema": per_schema}
 
 
+def forced_bound(model_dir: Path, family: str, samples: int, seed: int = 0) -> dict:
+    """Forced share, chain lengths and the best steps per output token (overlapped and
+    synchronous loop) over `samples` valid instances of `family` (EOS not counted)."""
+    import xgrammar as xgr
+    from tokenizers import Tokenizer
+
+    from bench.train_json import examples
+    from grammar_service.vocab import load_vocab
+
+    vocab = load_vocab(model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    compiler = xgr.GrammarCompiler(vocab.tokenizer_info())
+    bitmask = xgr.allocate_token_bitmask(1, vocab.model_vocab_size)
+    full, rest = divmod(vocab.vocab_size, 32)
+    compiled, tokens, forced, chains, lengths = {}, 0, 0, 0, {}
+    for _, text, schema in examples([family], samples, seed):
+        key = json.dumps(schema)
+        if key not in compiled:
+            compiled[key] = compile_schema(compiler, key)
+        matcher = xgr.GrammarMatcher(compiled[key])
+        run = 0
+        for token in tokenizer.encode(text, add_special_tokens=False).ids:
+            matcher.fill_next_token_bitmask(bitmask)
+            words = bitmask[0].numpy().view(np.uint32)
+            ones = int(np.unpackbits(words[:full].view(np.uint8)).sum()) + bin(
+                int(words[full]) & ((1 << rest) - 1) if rest else 0).count("1")
+            if ones == 1:
+                forced, run = forced + 1, run + 1
+            elif run:
+                chains, lengths[run], run = chains + 1, lengths.get(run, 0) + 1, 0
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"{family}: the grammar refused token {token} of {text!r}")
+            tokens += 1
+        if run:
+            chains, lengths[run] = chains + 1, lengths.get(run, 0) + 1
+    sampled = tokens - forced
+    return {"tokens": tokens, "forced_share": forced / tokens, "chains": chains,
+            "chain_lengths": dict(sorted(lengths.items())),
+            "steps_per_token_overlapped": (sampled + chains) / tokens,
+            "steps_per_token_synchronous": sampled / tokens}
+
+
 def report(tokenizer_json: Path, families: list[str], samples: int,
            model_vocab: int = QWEN_MODEL_VOCAB) -> dict:
     """Print and return `family_counts` for each family."""
@@ -101,14 +153,34 @@ def report(tokenizer_json: Path, families: list[str], samples: int,
     return out
 
 
+def report_forced(tokenizer_json: Path, families: list[str], samples: int,
+                  model_vocab: int = QWEN_MODEL_VOCAB) -> dict:
+    """Print and return `forced_bound` for each family."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = vocab_dir(tokenizer_json, model_vocab, Path(tmp))
+        for family in families:
+            b = out[family] = forced_bound(model_dir, family, samples)
+            print(f"schema family {family}: {b['tokens']} tokens of {samples} valid answers, "
+                  f"forced share {b['forced_share']:.3f}, {b['chains']} chains (lengths: "
+                  f"count {b['chain_lengths']}); best steps per output token: overlapped "
+                  f"loop {b['steps_per_token_overlapped']:.3f}, synchronous loop "
+                  f"{b['steps_per_token_synchronous']:.3f}", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokenizer", type=Path, required=True, help="tokenizer.json")
     p.add_argument("--model-vocab", type=int, default=QWEN_MODEL_VOCAB)
     p.add_argument("--families", default="short,long")
-    p.add_argument("--samples", type=int, default=50, help="walks per schema")
+    p.add_argument("--samples", type=int, default=50,
+                   help="walks per schema (with --forced: answers per family)")
+    p.add_argument("--forced", action="store_true",
+                   help="the forced-token bound on steps per output token instead")
     ns = p.parse_args()
-    report(ns.tokenizer, ns.families.split(","), ns.samples, ns.model_vocab)
+    run = report_forced if ns.forced else report
+    run(ns.tokenizer, ns.families.split(","), ns.samples, ns.model_vocab)
 
 
 if __name__ == "__main__":
