@@ -157,7 +157,7 @@ class Run:
     job: Future | None = None
     prep: RowJob | None = None
     # The job following the rest of a forced chain `job` started (prep.chain non-empty once
-    # `job` is done): waited for before the forward that feeds the chain.
+    # `job` is done): it becomes `job` once the chain's first token is taken.
     follow: Future | None = None
     stops: frozenset[int] = frozenset()  # ids that end the output (engine, request, grammar)
     af_backoff: int = 0            # accept-first: mask-first tokens after the next refusal
@@ -364,10 +364,9 @@ class Engine:
             return self._end_drain(timed_out=True)
         with torch.inference_mode():
             t0 = time.perf_counter()
-            chains = self._take_chains() if self.runs else 0.0
             seqs = self._plan() if self.runs else []
             logits = self._execute(seqs) if seqs else None
-            t = {"forward": time.perf_counter() - t0, "chain_wait": chains}
+            t = {"forward": time.perf_counter() - t0}
             if self._inflight is not None:
                 inflight, self._inflight = self._inflight, None
                 self._commit(inflight, t)
@@ -531,10 +530,11 @@ class Engine:
         t["mask_fill_exposed"] = t_mask - t_wait
         for r in live:
             r.job = None  # done; `prep` keeps its results until the row samples
-        # A row whose job found a forced token samples nothing now: its chain is taken (and
-        # fed) at the next step.
+            if r.prep is not None and (r.prep.chain or r.prep.more or r.prep.ends):
+                self._take_chain(r)
+        # A row that took forced tokens samples nothing now: they feed its next forward.
         keep = [i for i, s in enumerate(seqs) if s.samples and self.runs.get(s.run.slot) is s.run
-                and s.run.fed == s.run.known and not (s.run.prep and s.run.prep.chain)]
+                and s.run.fed == s.run.known]
         rows = [seqs[i].run for i in keep]
         redo, self._redo = self._redo, None
         if not rows and redo is None:
@@ -750,37 +750,33 @@ class Engine:
         self._take(r, token, logprob)
         return True
 
-    def _take_chains(self) -> float:
-        """Wait for the `follow` jobs of the rows whose forced chain started at the previous
-        step and emit their chains (the next plan feeds them); the seconds waited."""
-        rows = [r for r in self.runs.values() if r.follow is not None]
-        if not rows:
-            return 0.0
-        t0 = time.perf_counter()
-        self._wait_jobs([r.follow for r in rows])
-        for r in rows:
-            r.follow = None
-            if r.prep is not None and r.prep.chain and self.runs.get(r.slot) is r:
-                self._take_chain(r)
-        return time.perf_counter() - t0
-
     def _take_chain(self, r: Run) -> None:
-        """Emit the forced tokens its job accepted into r's matcher (log-probability 0: the
-        only token the masked distribution allows)."""
-        chain, r.prep.chain = r.prep.chain, []
+        """Emit the forced tokens r's jobs accepted into its matcher (log-probability 0: the
+        only token the masked distribution allows). The first comes from `prepare`, and its
+        `follow` job, still running on r's matcher, becomes r's job: the grammar's end is
+        checked by that job (`ends`), never here. Then `follow`'s tokens and `ends`."""
+        job = r.prep
+        first = bool(job.chain)
+        if first:
+            chain, job.chain = job.chain, []
+            r.job, r.follow = r.follow, None
+        else:
+            chain, job.more = job.more, []
         self.stats["forced_tokens"] += len(chain)
-        self.stats["chains"] += 1
+        self.stats["chains"] += first  # a chain's rest (`more`) is the same chain
         if self.metrics is not None:
             self.metrics.forced_tokens.inc(len(chain))
-            self.metrics.forced_chains.inc()
+            if first:
+                self.metrics.forced_chains.inc()
         top = r.req.top_logprobs > 0
-        for n, token in enumerate(chain, 1):
+        for token in chain:
             if self.runs.get(r.slot) is not r:
-                break
-            # The matcher is already past the whole chain: only the last token is checked
-            # against it (a chain stops where the grammar could be complete).
+                return
             self._take(r, token, (0.0, [token] if top else [], [0.0] if top else [])
-                       if r.req.logprobs else None, grammar_ends=n == len(chain))
+                       if r.req.logprobs else None, grammar_ends=False)
+        if r.job is None and job.ends and self.runs.get(r.slot) is r:
+            job.ends = False
+            self._finish(r, GRAMMAR_COMPLETED)
 
     def _take(self, r: Run, token: int, logprob=None, grammar_ends: bool = True) -> None:
         """Append an accepted token to r's output; finish r where it ends (by its grammar
