@@ -16,9 +16,10 @@ One step, identical on every rank:
 Two shortcuts do less work for exactly the same tokens (each can be turned off):
 - Forced tokens (`forced_tokens`): where the fill thread fills a row's mask, it also follows
   the chain of tokens the row's grammar allows alone (gpu_worker.guided.forced). The row
-  skips sampling; its chain is emitted before the next forward, which it feeds as one chunk.
-  (The step loop is overlapped, so a chain of n tokens saves n - 1 steps: the forward
-  launched while the chain was found had the token before it.)
+  skips sampling; its forced tokens are emitted at once and fed to its next forward, and its
+  next fill joins the step's batch. (The step loop is overlapped: the forward launched while a
+  forced token is found had the token before it, so a lone forced token saves no step; the
+  rest of a longer chain is followed at once and fed as one chunk, saving n - 2 steps.)
 - Accept-first (`accept_first`): sampling is argmax(logits / T + g) with per-request noise g,
   so when the argmax over the whole vocabulary is a token the grammar allows, it is also the
   argmax over the allowed tokens: the token mask-first sampling gives. Rows sampled greedily
@@ -62,7 +63,7 @@ import torch
 
 from gpu_worker.control.lockstep import ControlChannel, diverged_rows
 from gpu_worker.control.slots import Entry, SlotTable
-from gpu_worker.guided.forced import ForcedScan, RowJob, follow, prepare
+from gpu_worker.guided.forced import ForcedScan, RowJob, prepare
 from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 from gpu_worker.sampling.sampler import SamplingBatch, SamplingFlags, sample
@@ -156,9 +157,9 @@ class Run:
     # state after `prep.chain`.
     job: Future | None = None
     prep: RowJob | None = None
-    # The job following the rest of a forced chain `job` started (prep.chain non-empty once
-    # `job` is done): it becomes `job` once the chain's first token is taken.
-    follow: Future | None = None
+    # Took forced tokens at its last sampling point and waits for its next fill, which joins
+    # the step's batch (and follows the rest of a chain).
+    chained: bool = False
     stops: frozenset[int] = frozenset()  # ids that end the output (engine, request, grammar)
     af_backoff: int = 0            # accept-first: mask-first tokens after the next refusal
     af_skip: int = 0               # accept-first: mask-first tokens left before trying again
@@ -370,6 +371,8 @@ class Engine:
             if self._inflight is not None:
                 inflight, self._inflight = self._inflight, None
                 self._commit(inflight, t)
+            else:
+                self._submit(self._chained_runs())
             if seqs or self._redo is not None:
                 self._inflight = self._sample(seqs, logits, t)
             if seqs:
@@ -484,7 +487,8 @@ class Engine:
         for the first time get their fill-thread job submitted first, so it runs meanwhile. A
         row whose newest token is still on the device gets it there (no host round trip)."""
         fresh = [s.run for s in seqs if s.samples and s.run.req.matcher is not None
-                 and s.run.prep is None and not s.run.pending and not self._accept_first(s.run)]
+                 and s.run.prep is None and not s.run.pending and not s.run.chained
+                 and not self._accept_first(s.run)]
         if fresh:
             self._submit(fresh)
         slots, starts = [s.run.slot for s in seqs], [s.run.kv_len for s in seqs]
@@ -530,7 +534,7 @@ class Engine:
         t["mask_fill_exposed"] = t_mask - t_wait
         for r in live:
             r.job = None  # done; `prep` keeps its results until the row samples
-            if r.prep is not None and (r.prep.chain or r.prep.more or r.prep.ends):
+            if r.prep is not None and r.prep.chain:
                 self._take_chain(r)
         # A row that took forced tokens samples nothing now: they feed its next forward.
         keep = [i for i, s in enumerate(seqs) if s.samples and self.runs.get(s.run.slot) is s.run
@@ -561,7 +565,7 @@ class Engine:
                 self._submit(stale, forced=False)
                 t["mask_fill"] += self._wait_jobs([r.job for r in stale])
             for r in rows:
-                r.job = r.prep = r.follow = None
+                r.job = r.prep = None
                 r.af_next = None
             t_mask = time.perf_counter()
             if masked:
@@ -672,8 +676,7 @@ class Engine:
         redo = set(refused)
         ahead = [r for j, r in enumerate(rows) if r.req.matcher is not None
                  and self.runs.get(r.slot) is r and j not in redo and not self._accept_first(r)]
-        if ahead:
-            self._submit(ahead)
+        self._submit(ahead + self._chained_runs())
         t["commit"] = time.perf_counter() - t0
 
     def _resample(self, inflight: _InFlight, refused: list[int]) -> None:
@@ -703,6 +706,10 @@ class Engine:
                 r.fed -= 1
         self._redo = (rows, torch.where(dead, _DEAD, tokens))
 
+    def _chained_runs(self) -> list[Run]:
+        """The running rows waiting for their fill after forced tokens (see `_take_chain`)."""
+        return [r for r in self.runs.values() if r.chained]
+
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
         bitmask rows and follow forced tokens (unless `forced` is False or the engine does
@@ -710,14 +717,14 @@ class Engine:
 
         A released slot's pending job may still write its row; its next tenant's job is
         submitted later and so runs later, and is waited for before that row is used."""
+        if not runs:
+            return
         jobs = [RowJob(r.req.matcher, r.slot, max(0, min(
-            r.req.max_tokens - r.known, self.cfg.max_model_len - r.prefilled - r.known)), r.stops)
-            for r in runs]
-        scan = self.scan if forced else None
-        future = self._fill_pool.submit(prepare, self.masks, scan, jobs)
-        rest = self._fill_pool.submit(follow, self.masks, scan, jobs) if scan else None
+            r.req.max_tokens - r.known, self.cfg.max_model_len - r.prefilled - r.known)), r.stops,
+            follow=r.chained) for r in runs]
+        future = self._fill_pool.submit(prepare, self.masks, self.scan if forced else None, jobs)
         for r, job in zip(runs, jobs, strict=True):
-            r.job, r.prep, r.follow = future, job, rest
+            r.job, r.prep, r.chained = future, job, False
 
     def _advance(self, r: Run, token: int, diverged: bool, logprob=None,
                  accept_first: bool = False) -> bool:
@@ -751,32 +758,28 @@ class Engine:
         return True
 
     def _take_chain(self, r: Run) -> None:
-        """Emit the forced tokens r's jobs accepted into its matcher (log-probability 0: the
-        only token the masked distribution allows). The first comes from `prepare`, and its
-        `follow` job, still running on r's matcher, becomes r's job: the grammar's end is
-        checked by that job (`ends`), never here. Then `follow`'s tokens and `ends`."""
+        """Emit the forced tokens r's job accepted into its matcher (log-probability 0: the
+        only token the masked distribution allows), in place of sampling; the next plan feeds
+        them. Where the job did not fill r's mask after them, r's next fill joins the next
+        batch (`chained`)."""
         job = r.prep
-        first = bool(job.chain)
-        if first:
-            chain, job.chain = job.chain, []
-            r.job, r.follow = r.follow, None
-        else:
-            chain, job.more = job.more, []
+        chain, job.chain = job.chain, []
         self.stats["forced_tokens"] += len(chain)
-        self.stats["chains"] += first  # a chain's rest (`more`) is the same chain
+        self.stats["chains"] += not job.follow  # a `follow` job goes on with the same chain
         if self.metrics is not None:
             self.metrics.forced_tokens.inc(len(chain))
-            if first:
+            if not job.follow:
                 self.metrics.forced_chains.inc()
         top = r.req.top_logprobs > 0
-        for token in chain:
+        for n, token in enumerate(chain, 1):
             if self.runs.get(r.slot) is not r:
                 return
+            # The matcher is past the whole chain (no job runs on it now): only the last
+            # token is checked against it (a chain stops where the grammar could be complete).
             self._take(r, token, (0.0, [token] if top else [], [0.0] if top else [])
-                       if r.req.logprobs else None, grammar_ends=False)
-        if r.job is None and job.ends and self.runs.get(r.slot) is r:
-            job.ends = False
-            self._finish(r, GRAMMAR_COMPLETED)
+                       if r.req.logprobs else None, grammar_ends=n == len(chain))
+        if self.runs.get(r.slot) is r and not job.filled:
+            r.prep, r.chained = None, True
 
     def _take(self, r: Run, token: int, logprob=None, grammar_ends: bool = True) -> None:
         """Append an accepted token to r's output; finish r where it ends (by its grammar

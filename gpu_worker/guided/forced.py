@@ -9,17 +9,19 @@ vocabulary are followed, never re-tokenised text, so the output is the one sampl
 have produced token for token.
 
 `prepare` runs on the engine's mask-fill thread for the rows that sample mask-first next: it
-fills each row's bitmask for the matcher's current state and, with a `ForcedScan`, counts
-the bits of the row it just filled (about two microseconds); a single allowed token is
-accepted. `follow`, the next job on that thread, fills those rows again and goes on until the
-grammar allows more than one token. The engine waits for `prepare` before it samples, emits
-the first forced token at once and feeds it to the next forward; it waits for `follow` only
-where that row samples next, so the fill after a forced token runs beside the forward, as the
-fill after a sampled token does. A chain ends before
-a stop token (sampling takes those: the grammar may end there), at the row's token budget,
-or where the grammar could be complete. Rows sampled accept-first get no job: their masks
-are never filled, and the model predicts a forced token like any other (accept-first then
-gives it exactly); checking them would cost the fill accept-first saves.
+fills each row's bitmask for the matcher's current state (one batch for the step's rows, as
+without forced tokens) and, with a `ForcedScan`, counts the bits of the rows it just filled
+(about two microseconds a row); a single allowed token is accepted. The engine emits it in
+place of sampling and feeds it to the row's next forward, and the row's next fill joins the
+next batch, so a lone forced token costs nothing more than the scan. A row whose fill after a
+forced token finds another one follows the rest of the chain at once (filled again after each
+token), and the whole rest is fed as one chunk: in the overlapped step loop a chain of n
+forced tokens saves n - 2 steps, at the cost of one more fill round for the rows in such
+chains. A chain ends before a stop token (sampling takes those: the grammar may end there), at
+the row's token budget, or where the grammar allows more than one token. Rows sampled
+accept-first get no job: their masks are never filled, and the model predicts a forced token
+like any other (accept-first then gives it exactly); checking them would cost the fill
+accept-first saves.
 """
 
 from __future__ import annotations
@@ -34,18 +36,20 @@ import torch
 @dataclass
 class RowJob:
     """One row's work: fill its mask and follow forced tokens (up to `budget` of them, never
-    one of `stop_ids`). Results: `chain`, the forced token `prepare` accepted (none or one);
-    then `more`, the forced tokens `follow` accepted after it, and `ends`, whether the grammar
-    is then complete and allows nothing but a stop id (the output is done). Once the latest
-    job is done, the slot's bitmask row holds the mask of the matcher's state after them."""
+    one of `stop_ids`). A row's first forced token ends its job (the engine emits it and
+    feeds it to the next forward, and the row's next job joins the step's batch of fills);
+    a row with `follow` (whose previous job ended on a forced token) goes on: filled again
+    after each, until the grammar allows more than one token. Results: `chain`, the forced
+    tokens accepted, and `filled`, whether the slot's bitmask row holds the mask of the
+    matcher's state after them."""
 
     matcher: object
     slot: int
     budget: int
     stop_ids: frozenset[int]
+    follow: bool = False
     chain: list[int] = field(default_factory=list)
-    more: list[int] = field(default_factory=list)
-    ends: bool = False
+    filled: bool = False
 
 
 class ForcedScan:
@@ -74,53 +78,32 @@ class ForcedScan:
             out.append(32 * word + value.bit_length() - 1 if value & (value - 1) == 0 else -1)
         return out
 
-    def only_stops(self, host: torch.Tensor, slot: int, stop_ids: frozenset[int]) -> bool:
-        """Whether slot's bitmask row allows no token below `vocab_size` but `stop_ids`."""
-        row = host[slot].numpy().view(np.uint32).copy()
-        for tok in stop_ids:
-            if tok < 32 * self._full + self._rest:
-                row[tok >> 5] &= ~np.uint32(1 << (tok & 31))
-        tail = int(row[self._full]) & ((1 << self._rest) - 1) if self._rest else 0
-        return tail == 0 and not row[:self._full].any()
-
 
 def prepare(filler, scan: ForcedScan | None, jobs: list[RowJob]) -> tuple[float, int]:
-    """The first round of `jobs` (see RowJob) with `filler` (a MaskFiller): fill every row,
-    then accept the forced token of each row that has one (its chain's first; `follow` does
-    the rest). `scan` None: fill only. Returns (seconds, bitmask rows filled)."""
-    t0 = time.perf_counter()
-    filler.fill([j.matcher for j in jobs], [j.slot for j in jobs])
-    if scan is not None:
-        _accept_forced(filler, scan, jobs)
-    return time.perf_counter() - t0, len(jobs)
-
-
-def follow(filler, scan: ForcedScan, jobs: list[RowJob]) -> tuple[float, int]:
-    """The rest of the chains `prepare` started: each row with a forced token is filled
-    again (its mask after the chain) and follows the next forced tokens (into `more`) until
-    none is left; then `ends` is set where only a stop id is left. The engine waits for this
-    job where the row samples next, so it runs while the forward that feeds the chain's
-    first token runs. Returns (seconds, bitmask rows filled)."""
+    """Run `jobs` (see RowJob) with `filler` (a MaskFiller): one batch of fills, then more
+    only for `follow` rows that met another forced token. `scan` None: fill only, follow no
+    forced token. Returns (seconds, bitmask rows filled)."""
     t0 = time.perf_counter()
     fills = 0
-    active = [j for j in jobs if j.chain]
+    active = jobs
     while active:
         filler.fill([j.matcher for j in active], [j.slot for j in active])
         fills += len(active)
-        took = _accept_forced(filler, scan, active, into="more")
-        went_on = {id(j) for j in took}
         for j in active:
-            if id(j) not in went_on and j.matcher.is_completed():
-                j.ends = scan.only_stops(filler.host, j.slot, j.stop_ids)
-        active = took
+            j.filled = True
+        if scan is None:
+            break
+        took = _accept_forced(filler, scan, active)
+        for j in took:
+            j.filled = False
+        active = [j for j in took if j.follow]
     return time.perf_counter() - t0, fills
 
 
-def _accept_forced(filler, scan: ForcedScan, jobs: list[RowJob],
-                   into: str = "chain") -> list[RowJob]:
+def _accept_forced(filler, scan: ForcedScan, jobs: list[RowJob]) -> list[RowJob]:
     """Accept the one allowed token of each just-filled row that has one (within its budget,
-    never a stop id) into the job's list `into`; the jobs that took one."""
-    check = [j for j in jobs if len(j.chain) + len(j.more) < j.budget]
+    never a stop id); the jobs that took one."""
+    check = [j for j in jobs if len(j.chain) < j.budget]
     took = []
     for j, token in zip(check, scan.single_allowed(filler.host, [j.slot for j in check]),
                         strict=True):
@@ -129,6 +112,6 @@ def _accept_forced(filler, scan: ForcedScan, jobs: list[RowJob],
         if not j.matcher.accept_token(token):  # the mask allowed it: a backend bug
             raise RuntimeError(f"the grammar refused token {token}, the only one its mask "
                                "allows")
-        getattr(j, into).append(token)
+        j.chain.append(token)
         took.append(j)
     return took
