@@ -68,6 +68,9 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _GRAMMAR_SERVICE = grammar_pb2.DESCRIPTOR.services_by_name["GrammarService"].full_name
 _COMPILE_TIMEOUT = 120.0
 _GRAMMAR_CHECK_TIMEOUT = 2.0
+# Seconds a compile waits for the grammar service's channel to connect (the channel backs
+# off at most 1 s between attempts: protos.rpc).
+_GRAMMAR_CONNECT_WAIT = 2.0
 # Prompts longer than this (UTF-8 bytes) are tokenised on a thread, off the event loop.
 _INLINE_TOKENIZE_BYTES = 4096
 _TOKENIZE_THREADS = 2
@@ -342,6 +345,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _compile(self, spec, remaining: float | None,
                        client: str = "") -> grammar_pb2.GrammarRef:
         timeout = _COMPILE_TIMEOUT if remaining is None else min(remaining, _COMPILE_TIMEOUT)
+        if self._grammar_channel.get_state() != grpc.ChannelConnectivity.READY:
+            # Not connected (never yet, or backing off after a failed attempt such as a health
+            # check made before the service listened): give it a moment to connect rather
+            # than failing at once. A service that is down still fails within that moment.
+            try:
+                await asyncio.wait_for(self._grammar_channel.channel_ready(),
+                                       min(timeout, _GRAMMAR_CONNECT_WAIT))
+            except asyncio.TimeoutError:
+                pass
         try:
             return await self._grammar.Compile(
                 grammar_pb2.CompileRequest(spec=spec, client=client), timeout=timeout)
