@@ -18,7 +18,9 @@ Two shortcuts do less work for exactly the same tokens (each can be turned off):
   the chain of tokens the row's grammar allows alone (gpu_worker.guided.forced). The row
   skips sampling; its chain is emitted before the next forward, which it feeds as one chunk.
   (The step loop is overlapped, so a chain of n tokens saves n - 1 steps: the forward
-  launched while the chain was found had the token before it.)
+  launched while the chain was found had the token before it.) A row asking for
+  unconstrained logprobs takes no chains: its forced tokens were never run through the model
+  at their own positions, so it samples each one (the same token: the only one allowed).
 - Accept-first (`accept_first`): sampling is argmax(logits / T + g) with per-request noise g,
   so when the argmax over the whole vocabulary is a token the grammar allows, it is also the
   argmax over the allowed tokens: the token mask-first sampling gives. Rows sampled greedily
@@ -67,6 +69,7 @@ from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 from gpu_worker.sampling.sampler import SamplingBatch, SamplingFlags, sample
 from protos.rpc import public_message
+from protos.sampling import CONSTRAINED, UNCONSTRAINED
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +100,20 @@ class Request:
     min_tokens: int = 0
     logprobs: bool = False             # return each token's log-probability (TokenLogprob)
     top_logprobs: int = 0              # and this many most likely alternatives
+    # Of which distribution: CONSTRAINED (as masked, as sampled) or UNCONSTRAINED (the
+    # model's logits before the grammar's mask; such a row takes no forced chains).
+    logprobs_mode: str = CONSTRAINED
     grammar: object | None = None      # a GrammarHandle pinned in the worker's grammar cache
     matcher: object | None = None      # this rank's own xgrammar.GrammarMatcher (I1)
     session: object | None = None
     tag: int = 0
     admitted_at: float = field(default_factory=time.monotonic)
     release_grammar: Callable[[object], None] | None = None
+
+    @property
+    def unconstrained_logprobs(self) -> bool:
+        """Logprobs asked of the model's distribution before the grammar's mask."""
+        return self.logprobs and self.logprobs_mode == UNCONSTRAINED
 
     def close(self) -> None:
         """Drop the matcher and unpin the grammar (idempotent)."""
@@ -564,6 +575,7 @@ class Engine:
                 r.job = r.prep = r.follow = None
                 r.af_next = None
             t_mask = time.perf_counter()
+            raw = self._unmasked(logits, rows)
             if masked:
                 self.masks.apply(logits, masked, [rows[j].slot for j in masked])
             self._suppress_early_stop(logits, rows)
@@ -582,7 +594,7 @@ class Engine:
             # the grammar's: such a row is -2, a row with nothing allowed (a dead end) -1.
             broken = ~(logits < float("inf")).all(dim=-1)                # (R,) NaN or +inf
             parts.append(torch.where(broken, _NONFINITE, torch.where(dead, _DEAD, tokens)))
-            lp = self._logprobs(logits, tokens, rows)
+            lp = self._logprobs(logits, tokens, rows, raw)
         else:
             saved, flags, t_sample = None, None, time.perf_counter()
         if redo is not None:
@@ -614,9 +626,23 @@ class Engine:
                 self.metrics.mask_fills.inc(fills)
         return seconds
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[Run]):
-        """Log-probabilities of the rows that asked: of `logits` as masked (temperature 1),
-        the sampled token's and the top-k, copied to the host with the tokens."""
+    def _unmasked(self, logits: torch.Tensor, rows: list[Run]) -> torch.Tensor | None:
+        """A copy of the rows asking for unconstrained logprobs, in row order, taken before
+        the grammar's mask (and the min_tokens suppression) is applied: (U, V), padded ids
+        -inf. None when no row asks, and on a follower rank (it sends no logprobs)."""
+        if self.publish is None:
+            return None
+        unc = [j for j, r in enumerate(rows) if r.req.unconstrained_logprobs]
+        if not unc:
+            return None
+        return logits.index_select(0, _index(unc, logits.device))     # (U, V), a copy
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[Run],
+                  raw: torch.Tensor | None = None):
+        """Log-probabilities of the rows that asked, the sampled token's and the top-k, at
+        temperature 1, copied to the host with the tokens: of `logits` as masked, or, for
+        the rows asking for unconstrained logprobs, of their unmasked copy `raw`
+        (`_unmasked`). The token was sampled from `logits` either way."""
         if self.publish is None:  # a follower rank sends no tokens, so no logprobs either
             return None
         asked = [j for j, r in enumerate(rows) if r.req.logprobs]
@@ -625,6 +651,9 @@ class Engine:
         k = max(rows[j].req.top_logprobs for j in asked)
         idx = _index(asked, logits.device)
         sub = logits.index_select(0, idx)                               # (L, V) masked
+        if raw is not None:  # the unconstrained rows' own logits replace their masked ones
+            at = [n for n, j in enumerate(asked) if rows[j].req.unconstrained_logprobs]
+            sub.index_copy_(0, _index(at, logits.device), raw)          # (L, V)
         lse = torch.logsumexp(sub, dim=-1, keepdim=True)                # (L, 1)
         values = sub.gather(1, tokens.index_select(0, idx)[:, None])    # (L, 1)
         ids = torch.empty((len(asked), 0), dtype=torch.int64, device=logits.device)
@@ -706,11 +735,12 @@ class Engine:
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
         bitmask rows and follow forced tokens (unless `forced` is False or the engine does
-        not).
+        not). A row asking for unconstrained logprobs follows none (a budget of 0): it
+        samples every token, so each has the model's logits at its own position.
 
         A released slot's pending job may still write its row; its next tenant's job is
         submitted later and so runs later, and is waited for before that row is used."""
-        jobs = [RowJob(r.req.matcher, r.slot, max(0, min(
+        jobs = [RowJob(r.req.matcher, r.slot, 0 if r.req.unconstrained_logprobs else max(0, min(
             r.req.max_tokens - r.known, self.cfg.max_model_len - r.prefilled - r.known)), r.stops)
             for r in runs]
         scan = self.scan if forced else None
@@ -766,7 +796,8 @@ class Engine:
 
     def _take_chain(self, r: Run) -> None:
         """Emit the forced tokens its job accepted into r's matcher (log-probability 0: the
-        only token the masked distribution allows)."""
+        only token the masked distribution allows). Never a row asking for unconstrained
+        logprobs: its jobs follow no chain (`_submit`)."""
         chain, r.prep.chain = r.prep.chain, []
         self.stats["forced_tokens"] += len(chain)
         self.stats["chains"] += 1
