@@ -29,6 +29,9 @@ from protos.rpc import aio_channel, channel
 Whitespace = Literal["bounded", "compact", "any"]
 _WHITESPACE = {"bounded": common_pb2.WHITESPACE_BOUNDED, "compact": common_pb2.WHITESPACE_COMPACT,
                "any": common_pb2.WHITESPACE_ANY}
+LogprobsMode = Literal["constrained", "unconstrained"]
+_LOGPROBS_MODE = {"constrained": common_pb2.LOGPROBS_MODE_CONSTRAINED,
+                  "unconstrained": common_pb2.LOGPROBS_MODE_UNCONSTRAINED}
 # The gateway's messages start with the field they are about: "sampling.top_p: must be ...".
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
@@ -136,8 +139,9 @@ def _options(whitespace: Whitespace, strict: bool = False) -> common_pb2.Grammar
 @dataclass(frozen=True)
 class TokenLogprob:
     """One generated token's log-probability and the most likely alternatives (`top`:
-    (token id, log-probability) pairs, most likely first), of the distribution the token was
-    drawn from after the grammar's mask, at temperature 1."""
+    (token id, log-probability) pairs, most likely first), at temperature 1: of the
+    distribution the token was drawn from after the grammar's mask (logprobs_mode
+    "constrained"), or of the model's before it ("unconstrained")."""
 
     token_id: int
     logprob: float
@@ -222,15 +226,22 @@ class Model:
 
 def _request(prompt: str | None, *, messages, prompt_token_ids, tools, constraint, model,
              max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, request_id,
-             echo_prompt_token_ids, n, logprobs, top_logprobs) -> gateway_pb2.GenerateRequest:
+             echo_prompt_token_ids, n, logprobs, top_logprobs,
+             logprobs_mode) -> gateway_pb2.GenerateRequest:
     """The GenerateRequest of the keyword arguments (see Client.generate)."""
     forms = [prompt is not None, bool(messages), bool(prompt_token_ids)]
     if sum(forms) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
     if top_logprobs and not logprobs:
         raise ValueError("top_logprobs needs logprobs=True")
+    if logprobs_mode not in _LOGPROBS_MODE:
+        raise ValueError(f"logprobs_mode: one of {', '.join(_LOGPROBS_MODE)}, got "
+                         f"{logprobs_mode!r}")
+    if logprobs_mode != "constrained" and not logprobs:
+        raise ValueError(f"logprobs_mode {logprobs_mode!r} needs logprobs=True")
     sampling = common_pb2.SamplingParams(stop=list(stop), ignore_eos=ignore_eos, top_k=top_k,
-                                         logprobs=logprobs, top_logprobs=top_logprobs)
+                                         logprobs=logprobs, top_logprobs=top_logprobs,
+                                         logprobs_mode=_LOGPROBS_MODE[logprobs_mode])
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
                         ("top_p", top_p), ("seed", seed)):
         if value is not None:
@@ -347,21 +358,25 @@ class Client:
                temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
                seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
                request_id: str = "", echo_prompt_token_ids: bool = False, n: int = 1,
-               logprobs: bool = False, top_logprobs: int = 0) -> Stream:
+               logprobs: bool = False, top_logprobs: int = 0,
+               logprobs_mode: LogprobsMode = "constrained") -> Stream:
         """Start a generation and return its Stream of deltas. Exactly one prompt form:
         `prompt` text, chat `messages` ({"role", "content"} dicts or (role, content) pairs,
         rendered by the model's chat template with `tools`) or `prompt_token_ids`.
         `constraint` None means unguided. `n` choices run concurrently, each its own
         request (with a `seed`, choice i uses seed + i). `logprobs` returns each token's
-        log-probability, with the `top_logprobs` (0-20) most likely alternatives. Raises
-        ValueError for a bad combination here and GramserveError (while iterating) for
-        anything the gateway refuses."""
+        log-probability, with the `top_logprobs` (0-20) most likely alternatives, of the
+        distribution the token was sampled from, after the grammar's mask (`logprobs_mode`
+        "constrained", the default) or of the model's before the mask ("unconstrained"; the
+        same tokens). Raises ValueError for a bad combination here and GramserveError (while
+        iterating) for anything the gateway refuses."""
         req = _request(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
                        tools=tools, constraint=constraint, model=self.model,
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                        top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
                        request_id=request_id, echo_prompt_token_ids=echo_prompt_token_ids,
-                       n=n, logprobs=logprobs, top_logprobs=top_logprobs)
+                       n=n, logprobs=logprobs, top_logprobs=top_logprobs,
+                       logprobs_mode=logprobs_mode)
         return Stream(self._stub.Generate(req, timeout=self.timeout), n)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Completion:
@@ -481,7 +496,8 @@ class AsyncClient:
 _DEFAULTS: dict[str, Any] = dict(
     messages=None, prompt_token_ids=None, tools=None, constraint=None, max_tokens=None,
     temperature=None, top_p=None, top_k=0, seed=None, stop=(), ignore_eos=False,
-    request_id="", echo_prompt_token_ids=False, n=1, logprobs=False, top_logprobs=0)
+    request_id="", echo_prompt_token_ids=False, n=1, logprobs=False, top_logprobs=0,
+    logprobs_mode="constrained")
 
 
 def _one(kwargs: dict) -> int:

@@ -24,6 +24,9 @@ Supported, beyond the plain sampling fields:
   false` allows at most one call. A template without one is a 400 naming `tool_choice`.
 - Extensions mapped 1:1 to SamplingParams: `top_k`, `min_p`, `min_tokens`, `ignore_eos`,
   `stop_token_ids`; `request_timeout` (seconds): the request's deadline (504 past it).
+- `logprobs_mode` (extension, with `logprobs`): `"constrained"` (the default: of the
+  distribution the token was sampled from, after the grammar's mask) or `"unconstrained"`
+  (the model's distribution before the mask) → SamplingParams.logprobs_mode.
 
 Refused with a 400 naming the field, never ignored: `presence_penalty` /
 `frequency_penalty` other than 0, `logit_bias`, `functions` /
@@ -45,9 +48,11 @@ from gateway.validation import Limits, validate_sampling
 from grammar_service.specs import DEFAULT_MAX_WHITESPACE
 from protos import common_pb2, gateway_pb2
 from protos.rpc import InvalidArgument
+from protos.sampling import LOGPROBS_MODES
 
 _WHITESPACE = {"bounded": common_pb2.WHITESPACE_BOUNDED, "compact": common_pb2.WHITESPACE_COMPACT,
                "any": common_pb2.WHITESPACE_ANY}
+_LOGPROBS_MODES = {name: value for value, name in LOGPROBS_MODES.items()}  # name -> enum
 _STRUCTURED_KINDS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")
 _REFUSED = {
     "logit_bias": "logit_bias is not supported",
@@ -225,6 +230,15 @@ def _sampling(body: dict, plan: Plan, endpoint: str, limits: Limits) -> common_p
                 raise bad("logprobs", f"must be in [0, 5], got {top}")
             s.logprobs, s.top_logprobs = True, top
         plan.params["sampling.top_logprobs"] = "logprobs"
+    mode = _get(body, "logprobs_mode", str)
+    if mode is not None:
+        if mode not in _LOGPROBS_MODES:
+            names = ", ".join(map(json.dumps, _LOGPROBS_MODES))
+            raise bad("logprobs_mode", f"must be one of {names}, got {json.dumps(mode)}")
+        if _LOGPROBS_MODES[mode] != common_pb2.LOGPROBS_MODE_CONSTRAINED and not s.logprobs:
+            raise bad("logprobs_mode", f"{json.dumps(mode)} needs logprobs")
+        s.logprobs_mode = _LOGPROBS_MODES[mode]
+    plan.params["sampling.logprobs_mode"] = "logprobs_mode"
     try:
         checked = validate_sampling(s, limits)
     except InvalidArgument as exc:

@@ -10,12 +10,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from protos import common_pb2
 from protos.rpc import InvalidArgument
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+# Logprobs modes (common.proto LogprobsMode), by the names the HTTP API and the client use.
+CONSTRAINED, UNCONSTRAINED = "constrained", "unconstrained"
+LOGPROBS_MODES = {common_pb2.LOGPROBS_MODE_CONSTRAINED: CONSTRAINED,
+                  common_pb2.LOGPROBS_MODE_UNCONSTRAINED: UNCONSTRAINED}
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Sampling:
     include_stop_str_in_output: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    logprobs_mode: str = CONSTRAINED  # a value of LOGPROBS_MODES
 
     @property
     def seed_int64(self) -> int:
@@ -82,9 +88,14 @@ class Sampling:
             bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
         if s.top_logprobs and not s.logprobs:
             bad("top_logprobs", "needs sampling.logprobs")
+        mode = LOGPROBS_MODES.get(s.logprobs_mode)
+        if mode is None:  # proto3 enums are open: an unknown number parses
+            bad("logprobs_mode", f"unknown mode {s.logprobs_mode}")
+        if mode != CONSTRAINED and not s.logprobs:
+            bad("logprobs_mode", "needs sampling.logprobs")
         return cls(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=s.top_k,
                    min_p=s.min_p, seed=s.seed if s.HasField("seed") else None,
                    stop=tuple(s.stop), stop_token_ids=frozenset(s.stop_token_ids),
                    ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
                    include_stop_str_in_output=s.include_stop_str_in_output,
-                   logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+                   logprobs=s.logprobs, top_logprobs=s.top_logprobs, logprobs_mode=mode)

@@ -134,6 +134,26 @@ def _consistent(out: Completion, top: int) -> None:
                 assert value == pytest.approx(lp.logprob, abs=1e-5)
 
 
+def test_logprobs_mode_unconstrained_passes_through_the_grpc_gateway(client):
+    """The same tokens; each chosen token's logprob is of the model's distribution before
+    the mask, so below its constrained one (the grammar allows 10 of the vocabulary)."""
+    def ask(**kw):
+        return client.generate("Count:", constraint=Regex("[0-9]{3}"), seed=40,
+                               logprobs=True, top_logprobs=2, **kw)
+
+    constrained, unconstrained = ask(), ask(logprobs_mode="unconstrained")
+    assert unconstrained.text == constrained.text
+    assert [lp.token_id for lp in unconstrained.logprobs] == \
+        [lp.token_id for lp in constrained.logprobs]
+    _consistent(unconstrained, 2)
+    for c, u in zip(constrained.logprobs, unconstrained.logprobs, strict=True):
+        assert u.logprob < c.logprob and len(u.top) == 2
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        client.generate("x", logprobs=True, logprobs_mode="raw")
+    with pytest.raises(ValueError, match="needs logprobs"):
+        client.generate("x", logprobs_mode="unconstrained")
+
+
 def test_n_choices_with_logprobs_stream_apart_and_complete_together(client):
     stream = client.stream("Count:", constraint=Regex("[0-9]{3}"), n=3, seed=40,
                            logprobs=True, top_logprobs=2)

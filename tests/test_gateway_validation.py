@@ -53,6 +53,11 @@ BAD = [
      "sampling.stop"),
     ("stop token outside vocab", _req(sampling={"stop_token_ids": [500]}),
      "sampling.stop_token_ids[0]"),
+    ("unknown logprobs mode", _req(sampling={"logprobs": True, "logprobs_mode": 7}),
+     "sampling.logprobs_mode"),
+    ("unconstrained logprobs mode without logprobs",
+     _req(sampling={"logprobs_mode": common_pb2.LOGPROBS_MODE_UNCONSTRAINED}),
+     "sampling.logprobs_mode"),
     ("empty choice list", _req(constraint=common_pb2.GrammarSpec(choice=common_pb2.ChoiceList())),
      "constraint.choice"),
     ("duplicate choice", _req(constraint=common_pb2.GrammarSpec(

@@ -173,6 +173,8 @@ def _status(call) -> openai.APIStatusError:
      "response_format.json_schema.schema"),
     (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}),
      "structured_outputs"),
+    (dict(logprobs=True, extra_body={"logprobs_mode": "model"}), "logprobs_mode"),
+    (dict(extra_body={"logprobs_mode": "unconstrained"}), "logprobs_mode"),
 ])
 def test_bad_requests_are_400_naming_the_field(client, model, kwargs, param):
     err = _status(lambda: client.chat.completions.create(
@@ -323,6 +325,28 @@ def test_logprobs_are_present_and_consistent(client, model):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
     for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) <= 2 and top[tok] == pytest.approx(value)
+
+
+def test_unconstrained_logprobs_mode_passes_through_and_changes_no_token(client, model):
+    """`logprobs_mode: "unconstrained"`: the model's distribution before the grammar's mask.
+    The same text; each chosen token's logprob is below its constrained one (the grammar
+    allows a small part of the vocabulary), and the alternatives need not be allowed."""
+    def ask(**extra):
+        return client.chat.completions.create(
+            model=model, messages=HI, max_tokens=30, temperature=0.0, logprobs=True,
+            top_logprobs=3, response_format={"type": "json_schema", "json_schema": {
+                "name": "p", "schema": SCHEMAS[0]}}, extra_body={**COMPACT, **extra})
+
+    constrained, default = ask(logprobs_mode="constrained"), ask()
+    unconstrained = ask(logprobs_mode="unconstrained")
+    assert unconstrained.choices[0].message.content == constrained.choices[0].message.content
+    c, d = constrained.choices[0].logprobs.content, default.choices[0].logprobs.content
+    u = unconstrained.choices[0].logprobs.content
+    assert [(x.token, x.logprob) for x in d] == [(x.token, x.logprob) for x in c]
+    assert [x.token for x in u] == [x.token for x in c] and len(u) > 0
+    for cx, ux in zip(c, u, strict=True):
+        assert ux.logprob < cx.logprob <= 0 and len(ux.top_logprobs) == 3
+        assert ux.top_logprobs[0].logprob >= ux.logprob
 
 
 def test_gramserve_bench_drives_the_http_api_like_grpc(system):

@@ -60,6 +60,9 @@ def test_several_tools_required_is_an_anyof_of_name_and_arguments():
     (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
      "messages[0].content[0]"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(logprobs=True, logprobs_mode="raw"), "logprobs_mode"),
+    (dict(logprobs=True, logprobs_mode=1), "logprobs_mode"),
+    (dict(logprobs_mode="unconstrained"), "logprobs_mode"),  # without logprobs
 ])
 def test_refusals_name_the_openai_field(kw, param):
     with pytest.raises(ot.OpenAIError) as info:
@@ -104,6 +107,20 @@ def test_accepted_sampling_is_what_validate_sampling_accepts():
     assert info.value.param == "seed"
     plan = chat(n=2, seed=2**64 - 1)  # the seeds of the choices wrap around the uint64
     assert [r.sampling.seed for r in plan.requests] == [2**64 - 1, 0]
+
+
+def test_logprobs_mode_maps_to_sampling_params_and_defaults_to_constrained():
+    def mode(**kw):
+        return chat(**kw).requests[0].sampling.logprobs_mode
+
+    assert mode(logprobs=True) == common_pb2.LOGPROBS_MODE_CONSTRAINED
+    assert mode(logprobs=True, logprobs_mode="constrained") == common_pb2.LOGPROBS_MODE_CONSTRAINED
+    assert mode(logprobs=True, top_logprobs=2, logprobs_mode="unconstrained") == \
+        common_pb2.LOGPROBS_MODE_UNCONSTRAINED
+    assert mode(logprobs_mode="constrained") == common_pb2.LOGPROBS_MODE_CONSTRAINED  # harmless
+    (req,) = ot.completion_plan({"model": "m", "prompt": "x", "logprobs": 0,
+                                 "logprobs_mode": "unconstrained"}, LIMITS).requests
+    assert validate_sampling(req.sampling, LIMITS).logprobs_mode == "unconstrained"
 
 
 def test_errors_of_the_shared_path_name_the_openai_field():

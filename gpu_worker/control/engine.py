@@ -19,7 +19,9 @@ Two shortcuts do less work for exactly the same tokens (each can be turned off):
   skips sampling; its forced tokens are emitted at once and fed to its next forward, and its
   next fill joins the step's batch. (The step loop is overlapped: the forward launched while a
   forced token is found had the token before it, so a lone forced token saves no step; the
-  rest of a longer chain is followed at once and fed as one chunk, saving n - 2 steps.)
+  rest of a longer chain is followed at once and fed as one chunk, saving n - 2 steps.) A row
+  asking for unconstrained logprobs takes no forced tokens: they were never run through the
+  model at their own positions, so it samples each one (the same token: the only one allowed).
 - Accept-first (`accept_first`): sampling is argmax(logits / T + g) with per-request noise g,
   so when the argmax over the whole vocabulary is a token the grammar allows, it is also the
   argmax over the allowed tokens: the token mask-first sampling gives. Rows sampled greedily
@@ -68,6 +70,7 @@ from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 from gpu_worker.sampling.sampler import SamplingBatch, SamplingFlags, sample
 from protos.rpc import public_message
+from protos.sampling import CONSTRAINED, UNCONSTRAINED
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +101,20 @@ class Request:
     min_tokens: int = 0
     logprobs: bool = False             # return each token's log-probability (TokenLogprob)
     top_logprobs: int = 0              # and this many most likely alternatives
+    # Of which distribution: CONSTRAINED (as masked, as sampled) or UNCONSTRAINED (the
+    # model's logits before the grammar's mask; such a row takes no forced chains).
+    logprobs_mode: str = CONSTRAINED
     grammar: object | None = None      # a GrammarHandle pinned in the worker's grammar cache
     matcher: object | None = None      # this rank's own xgrammar.GrammarMatcher (I1)
     session: object | None = None
     tag: int = 0
     admitted_at: float = field(default_factory=time.monotonic)
     release_grammar: Callable[[object], None] | None = None
+
+    @property
+    def unconstrained_logprobs(self) -> bool:
+        """Logprobs asked of the model's distribution before the grammar's mask."""
+        return self.logprobs and self.logprobs_mode == UNCONSTRAINED
 
     def close(self) -> None:
         """Drop the matcher and unpin the grammar (idempotent)."""
@@ -568,6 +579,7 @@ class Engine:
                 r.job = r.prep = None
                 r.af_next = None
             t_mask = time.perf_counter()
+            raw = self._unmasked(logits, rows)
             if masked:
                 self.masks.apply(logits, masked, [rows[j].slot for j in masked])
             self._suppress_early_stop(logits, rows)
@@ -586,7 +598,7 @@ class Engine:
             # the grammar's: such a row is -2, a row with nothing allowed (a dead end) -1.
             broken = ~(logits < float("inf")).all(dim=-1)                # (R,) NaN or +inf
             parts.append(torch.where(broken, _NONFINITE, torch.where(dead, _DEAD, tokens)))
-            lp = self._logprobs(logits, tokens, rows)
+            lp = self._logprobs(logits, tokens, rows, raw)
         else:
             saved, flags, t_sample = None, None, time.perf_counter()
         if redo is not None:
@@ -618,9 +630,23 @@ class Engine:
                 self.metrics.mask_fills.inc(fills)
         return seconds
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[Run]):
-        """Log-probabilities of the rows that asked: of `logits` as masked (temperature 1),
-        the sampled token's and the top-k, copied to the host with the tokens."""
+    def _unmasked(self, logits: torch.Tensor, rows: list[Run]) -> torch.Tensor | None:
+        """A copy of the rows asking for unconstrained logprobs, in row order, taken before
+        the grammar's mask (and the min_tokens suppression) is applied: (U, V), padded ids
+        -inf. None when no row asks, and on a follower rank (it sends no logprobs)."""
+        if self.publish is None:
+            return None
+        unc = [j for j, r in enumerate(rows) if r.req.unconstrained_logprobs]
+        if not unc:
+            return None
+        return logits.index_select(0, _index(unc, logits.device))     # (U, V), a copy
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[Run],
+                  raw: torch.Tensor | None = None):
+        """Log-probabilities of the rows that asked, the sampled token's and the top-k, at
+        temperature 1, copied to the host with the tokens: of `logits` as masked, or, for
+        the rows asking for unconstrained logprobs, of their unmasked copy `raw`
+        (`_unmasked`). The token was sampled from `logits` either way."""
         if self.publish is None:  # a follower rank sends no tokens, so no logprobs either
             return None
         asked = [j for j, r in enumerate(rows) if r.req.logprobs]
@@ -629,6 +655,9 @@ class Engine:
         k = max(rows[j].req.top_logprobs for j in asked)
         idx = _index(asked, logits.device)
         sub = logits.index_select(0, idx)                               # (L, V) masked
+        if raw is not None:  # the unconstrained rows' own logits replace their masked ones
+            at = [n for n, j in enumerate(asked) if rows[j].req.unconstrained_logprobs]
+            sub.index_copy_(0, _index(at, logits.device), raw)          # (L, V)
         lse = torch.logsumexp(sub, dim=-1, keepdim=True)                # (L, 1)
         values = sub.gather(1, tokens.index_select(0, idx)[:, None])    # (L, 1)
         ids = torch.empty((len(asked), 0), dtype=torch.int64, device=logits.device)
@@ -713,13 +742,14 @@ class Engine:
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
         bitmask rows and follow forced tokens (unless `forced` is False or the engine does
-        not).
+        not). A row asking for unconstrained logprobs follows none (a budget of 0): it
+        samples every token, so each has the model's logits at its own position.
 
         A released slot's pending job may still write its row; its next tenant's job is
         submitted later and so runs later, and is waited for before that row is used."""
         if not runs:
             return
-        jobs = [RowJob(r.req.matcher, r.slot, max(0, min(
+        jobs = [RowJob(r.req.matcher, r.slot, 0 if r.req.unconstrained_logprobs else max(0, min(
             r.req.max_tokens - r.known, self.cfg.max_model_len - r.prefilled - r.known)), r.stops,
             follow=r.chained) for r in runs]
         future = self._fill_pool.submit(prepare, self.masks, self.scan if forced else None, jobs)
@@ -761,7 +791,8 @@ class Engine:
         """Emit the forced tokens r's job accepted into its matcher (log-probability 0: the
         only token the masked distribution allows), in place of sampling; the next plan feeds
         them. Where the job did not fill r's mask after them, r's next fill joins the next
-        batch (`chained`)."""
+        batch (`chained`). Never a row asking for unconstrained logprobs: its jobs follow no
+        chain (`_submit`)."""
         job = r.prep
         chain, job.chain = job.chain, []
         self.stats["forced_tokens"] += len(chain)

@@ -84,7 +84,8 @@ def request_from_proto(msg: worker_pb2.AdmitRequest, vocab: Vocab, max_model_len
         request_id=msg.request_id, prompt=prompt, max_tokens=s.max_tokens,
         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
         seed=s.seed_int64, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
-        min_tokens=s.min_tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+        min_tokens=s.min_tokens, logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+        logprobs_mode=s.logprobs_mode)
 
 
 def finished_proto(finish: eng.Finish, prompt_tokens: int) -> worker_pb2.Finished:
