@@ -4,7 +4,7 @@ Where a row's grammar allows exactly one token (its bitmask row has one bit set)
 nothing to decide: any sampler, greedy or not, top-p or not, picks that token. Such tokens are
 accepted into the row's own matcher straight away (on every rank, each from its own matcher:
 the chain is a function of the accepted tokens, so the ranks agree, I1/I3) and the engine
-feeds the whole chain to the row's next forward as one chunk. Only single tokens of the
+feeds them to the row's next forward, several as one chunk. Only single tokens of the
 vocabulary are followed, never re-tokenised text, so the output is the one sampling would
 have produced token for token.
 
