@@ -101,13 +101,14 @@ def forced_bound(model_dir: Path, family: str, samples: int, seed: int = 0) -> d
     from tokenizers import Tokenizer
 
     from bench.train_json import examples
+    from gpu_worker.guided.forced import ForcedScan
     from grammar_service.vocab import load_vocab
 
     vocab = load_vocab(model_dir)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     compiler = xgr.GrammarCompiler(vocab.tokenizer_info())
     bitmask = xgr.allocate_token_bitmask(1, vocab.model_vocab_size)
-    full, rest = divmod(vocab.vocab_size, 32)
+    scan = ForcedScan(vocab.vocab_size, bitmask.shape[1])  # the engine's own test
     compiled, tokens, forced, chains, lengths = {}, 0, 0, 0, {}
     for _, text, schema in examples([family], samples, seed):
         key = json.dumps(schema)
@@ -117,10 +118,7 @@ def forced_bound(model_dir: Path, family: str, samples: int, seed: int = 0) -> d
         run = 0
         for token in tokenizer.encode(text, add_special_tokens=False).ids:
             matcher.fill_next_token_bitmask(bitmask)
-            words = bitmask[0].numpy().view(np.uint32)
-            ones = int(np.unpackbits(words[:full].view(np.uint8)).sum()) + bin(
-                int(words[full]) & ((1 << rest) - 1) if rest else 0).count("1")
-            if ones == 1:
+            if scan.single_allowed(bitmask, [0])[0] >= 0:
                 forced, run = forced + 1, run + 1
             elif run:
                 chains, lengths[run], run = chains + 1, lengths.get(run, 0) + 1, 0
@@ -136,37 +134,43 @@ def forced_bound(model_dir: Path, family: str, samples: int, seed: int = 0) -> d
             "steps_per_token_synchronous": sampled / tokens}
 
 
-def report(tokenizer_json: Path, families: list[str], samples: int,
-           model_vocab: int = QWEN_MODEL_VOCAB) -> dict:
-    """Print and return `family_counts` for each family."""
+def _per_family(tokenizer_json: Path, families: list[str], model_vocab: int, measure,
+                describe) -> dict:
+    """{family: measure(model_dir, family)} over a vocabulary directory of `tokenizer_json`,
+    each printed as `describe(result)` with the family's seconds."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = vocab_dir(tokenizer_json, model_vocab, Path(tmp))
         for family in families:
             t0 = time.perf_counter()
-            out[family] = family_counts(model_dir, family, samples)
-            c = out[family]
-            print(f"schema family {family}: tokens per answer median {c['median']:.0f}, "
-                  f"p90 {c['p90']:.0f}, max {c['max']}, unfinished {c['unfinished']} "
-                  f"({samples} walks per schema, per-schema medians {c['per_schema']}, "
-                  f"{time.perf_counter() - t0:.1f} s)", flush=True)
+            out[family] = measure(model_dir, family)
+            print(f"schema family {family}: {describe(out[family])} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
     return out
+
+
+def report(tokenizer_json: Path, families: list[str], samples: int,
+           model_vocab: int = QWEN_MODEL_VOCAB) -> dict:
+    """Print and return `family_counts` for each family."""
+    return _per_family(
+        tokenizer_json, families, model_vocab,
+        lambda model_dir, family: family_counts(model_dir, family, samples),
+        lambda c: (f"tokens per answer median {c['median']:.0f}, p90 {c['p90']:.0f}, max "
+                   f"{c['max']}, unfinished {c['unfinished']} ({samples} walks per schema, "
+                   f"per-schema medians {c['per_schema']})"))
 
 
 def report_forced(tokenizer_json: Path, families: list[str], samples: int,
                   model_vocab: int = QWEN_MODEL_VOCAB) -> dict:
     """Print and return `forced_bound` for each family."""
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = vocab_dir(tokenizer_json, model_vocab, Path(tmp))
-        for family in families:
-            b = out[family] = forced_bound(model_dir, family, samples)
-            print(f"schema family {family}: {b['tokens']} tokens of {samples} valid answers, "
-                  f"forced share {b['forced_share']:.3f}, {b['chains']} chains (lengths: "
-                  f"count {b['chain_lengths']}); best steps per output token: overlapped "
-                  f"loop {b['steps_per_token_overlapped']:.3f}, synchronous loop "
-                  f"{b['steps_per_token_synchronous']:.3f}", flush=True)
-    return out
+    return _per_family(
+        tokenizer_json, families, model_vocab,
+        lambda model_dir, family: forced_bound(model_dir, family, samples),
+        lambda b: (f"{b['tokens']} tokens of {samples} valid answers, forced share "
+                   f"{b['forced_share']:.3f}, {b['chains']} chains (lengths: count "
+                   f"{b['chain_lengths']}); best steps per output token: overlapped loop "
+                   f"{b['steps_per_token_overlapped']:.3f}, synchronous loop "
+                   f"{b['steps_per_token_synchronous']:.3f}"))
 
 
 def main() -> None:
