@@ -379,11 +379,13 @@ class Engine:
             seqs = self._plan() if self.runs else []
             logits = self._execute(seqs) if seqs else None
             t = {"forward": time.perf_counter() - t0}
+            ahead = []
             if self._inflight is not None:
                 inflight, self._inflight = self._inflight, None
-                self._commit(inflight, t)
-            else:
-                self._submit(self._chained_runs())
+                ahead = self._commit(inflight, t)
+            # The next fills, one job while the forward runs: rows that go on after the
+            # commit, rows that took forced tokens at the last sampling.
+            self._submit(ahead + self._chained_runs())
             if seqs or self._redo is not None:
                 self._inflight = self._sample(seqs, logits, t)
             if seqs:
@@ -672,10 +674,10 @@ class Engine:
         ids_host.copy_(ids, non_blocking=True)
         return asked, values_host, ids_host
 
-    def _commit(self, inflight: _InFlight, t: dict[str, float]) -> None:
+    def _commit(self, inflight: _InFlight, t: dict[str, float]) -> list[Run]:
         """The host side of a sampled step: check divergence, accept each token into the
-        rank's own matcher (a refused accept-first token is resampled), finish rows, start
-        the fill-thread jobs of the rows that go on."""
+        rank's own matcher (a refused accept-first token is resampled), finish rows. Returns
+        the rows that go on mask-first (their fills are the step's next job)."""
         t0 = time.perf_counter()
         if inflight.done is not None:
             inflight.done.synchronize()
@@ -701,12 +703,10 @@ class Engine:
                 refused.append(j)
         if refused:
             self._resample(inflight, refused)
-        # Start the next step's jobs now, while its forward runs.
         redo = set(refused)
-        ahead = [r for j, r in enumerate(rows) if r.req.matcher is not None
-                 and self.runs.get(r.slot) is r and j not in redo and not self._accept_first(r)]
-        self._submit(ahead + self._chained_runs())
         t["commit"] = time.perf_counter() - t0
+        return [r for j, r in enumerate(rows) if r.req.matcher is not None
+                and self.runs.get(r.slot) is r and j not in redo and not self._accept_first(r)]
 
     def _resample(self, inflight: _InFlight, refused: list[int]) -> None:
         """Sample the refused accept-first rows again from their saved logits, masked this
