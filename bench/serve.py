@@ -270,9 +270,11 @@ def metrics_delta(before: dict, after: dict) -> dict[str, float]:
 # ------------------------------------------------------------------------------- load runs
 
 def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, duration: float,
-             requests: int = 0, warmup: int = 0, http: str = "") -> dict:
+             requests: int = 0, warmup: int = 0, http: str = "",
+             schema_prompts: bool = False) -> dict:
     """One `gramserve bench --json` run as a subprocess (with a timeout); its summary. With
-    `http` (a base URL) the load goes through the OpenAI-compatible API instead of gRPC."""
+    `http` (a base URL) the load goes through the OpenAI-compatible API instead of gRPC;
+    `schema_prompts`: guided prompts name their schema (a model fine-tuned on them)."""
     processes = max(1, min(ns.client_processes, concurrency // 16 or 1))
     cmd = [sys.executable, "-m", "gateway.cli", "bench", "--addr", addr, "--json",
            "--no-progress", "--concurrency", str(concurrency), "--processes", str(processes),
@@ -280,7 +282,7 @@ def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, dura
            "--max-tokens", str(ns.max_tokens), "--timeout", str(ns.request_timeout),
            "--backend", ns.backend,
            "--warmup", str(warmup), "--seed", str(int(ratio * 100) + concurrency)]
-    if getattr(ns, "train_steps", 0):
+    if schema_prompts:
         cmd.append("--schema-prompts")
     cmd += ["--duration", str(duration)] if duration else ["--requests", str(requests)]
     cmd += ["--http", http] if http else []
@@ -327,7 +329,8 @@ def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
             spies = (start_profile(pids, ns, f"{shortcuts}-r{rnd}-c{c}-{family}-{ratio:g}")
                      if f"{c}:{family}:{ratio:g}" in ns.profile else [])
             summary = run_load(addr, c, "short" if family == "-" else family, ratio, ns,
-                               duration=ns.duration, requests=ns.requests)
+                               duration=ns.duration, requests=ns.requests,
+                               schema_prompts=bool(ns.train_steps))
             wall = time.monotonic() - t0
             cpu1 = cpu_seconds(pids)
             after = scrape(worker_url) if worker_url else {}
@@ -784,7 +787,8 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
             say_line(f"stack up at {addr} (shortcuts {shortcuts}); metrics {stack.metrics}")
             c = max(ns.concurrency)
             for family in ns.families:  # compiles every schema, captures the decode graphs
-                warm = run_load(addr, c, family, 0.5, ns, duration=0, requests=c)
+                warm = run_load(addr, c, family, 0.5, ns, duration=0, requests=c,
+                                schema_prompts=bool(ns.train_steps))
                 say_line(f"warm-up c={c} {family}: {warm['ok']}/{warm['requests']} ok, "
                          f"{warm['output_tokens_per_second']:.0f} tok/s, errors {warm['errors']}")
         for rnd, run, shortcuts in interleave(plans, ns.rounds):
