@@ -9,8 +9,11 @@ The rule for `backend: auto` (a client can force either backend with options.bac
   When llguidance refuses, it compiles the schema leniently: what it cannot enforce
   (`not`, `uniqueItems`, `if`, `contains`, an unknown `format`, ...) is ignored, a `oneOf`
   it cannot prove disjoint becomes `anyOf` (as on xgrammar), and each is reported from its
-  warnings (grammar_service.unenforced.llguidance_unenforced): everything else stays exact,
-  which is more than xgrammar enforces, and it compiles far faster. xgrammar compiles it
+  warnings (grammar_service.unenforced.llguidance_unenforced); a `pattern` its regex engine
+  cannot parse (look-around, back-references) and an integer lower bound at or below -2**63,
+  which it refuses even then, are dropped from the schema it compiles and reported the same
+  way (grammar_service.unenforced.llguidance_relaxed). Everything else stays exact, which is
+  more than xgrammar enforces, and it compiles far faster. xgrammar compiles it
   when it enforces every keyword (e.g. a `format` only it knows), or when the lenient compile
   fails too (or a warning is not understood), its unenforced keywords reported
   (grammar_service.unenforced). With options.strict a schema with anything
@@ -49,10 +52,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from grammar_service.backends import LLGUIDANCE, XGRAMMAR, BackendError
-from grammar_service.unenforced import find_unenforced, llguidance_unenforced
+from grammar_service.specs import canonical_json
+from grammar_service.unenforced import find_unenforced, llguidance_relaxed, llguidance_unenforced
 
 # Kinds whose auto choice does not depend on the spec, with the reason reported.
 _STATIC = {
@@ -64,6 +68,9 @@ _STATIC = {
     "structural_tag": (XGRAMMAR, "auto: structural tags are xgrammar's format"),
     "lark": (LLGUIDANCE, "auto: lark is llguidance's format"),
 }
+# Lenient compiles that drop what llguidance refuses even then (a pattern it cannot parse,
+# an int64 lower bound), each round one kind: past this, xgrammar compiles the schema.
+_MAX_RELAX = 3
 # Kinds a backend cannot compile at all (a forced choice of it is refused at validation).
 UNSUPPORTED = {XGRAMMAR: frozenset({"lark"}), LLGUIDANCE: frozenset({"structural_tag"})}
 
@@ -117,19 +124,35 @@ def _lenient(backend, spec) -> Compiled | None:
     reported from its warnings; None when it still refuses, or says something we cannot
     turn into a report."""
     start = time.perf_counter()
-    try:
-        compiled = backend.compile(spec, lenient=True)
-    except BackendError:
+    schema, dropped = json.loads(spec.text), []
+    for _ in range(_MAX_RELAX):
+        try:
+            compiled = backend.compile(spec, lenient=True)
+            break
+        except BackendError as exc:
+            relaxed = llguidance_relaxed(schema, str(exc))
+            if relaxed is None:
+                return None
+            schema, paths = relaxed
+            dropped += paths
+            spec = replace(spec, text=canonical_json(schema))
+    else:
         return None
     seconds = time.perf_counter() - start
-    paths = llguidance_unenforced(json.loads(spec.text), compiled.warnings)
+    paths = llguidance_unenforced(schema, compiled.warnings)
+    if paths is None:
+        return None
+    paths = dropped + paths
     if not paths:
         return None
     if spec.options.strict:
         raise StrictRefused(f"schema uses keywords no backend enforces: {', '.join(paths)} "
                             "(unset options.strict to accept an approximation)")
+    notes = list(compiled.warnings)
+    if dropped:
+        notes.append(f"refused even leniently, left out: {', '.join(dropped)}")
     reason = ("auto: llguidance enforces every keyword of this schema but those it reports "
-              f"({'; '.join(compiled.warnings)})")
+              f"({'; '.join(notes)})")
     return Compiled(backend.name, _first_line(reason), tuple(paths),
                     backend.serialize(compiled, spec, seconds))
 

@@ -238,9 +238,12 @@ def _join(path: str, part: str) -> str:
 
 # llguidance's lenient warnings (1.9.1) and the keywords they name; any other warning makes
 # `llguidance_unenforced` give up, so nothing llguidance relaxed goes unreported.
-_LLG_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*)\]')
-_LLG_FORMAT = re.compile(r"Unknown format: (.+)")
+# A warning said N times ends with " (N times)".
+_LLG_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*)\](?: \(\d+ times\))?')
+_LLG_FORMAT = re.compile(r"Unknown format: (.+?)(?: \(\d+ times\))?")
 _LLG_ONE_OF = "oneOf not fully supported, falling back to anyOf"
+# Said once for any object where it ignores the bounds: every such bound is reported.
+_LLG_PROPERTY_COUNT = "min/maxProperties only supported when all keys listed in"
 
 
 def llguidance_unenforced(schema, warnings) -> list[str] | None:
@@ -260,6 +263,8 @@ def llguidance_unenforced(schema, warnings) -> list[str] | None:
             formats.add(m.group(1))
         elif warning.startswith(_LLG_ONE_OF):
             keywords.add("oneOf")
+        elif warning.startswith(_LLG_PROPERTY_COUNT):
+            keywords.update(("minProperties", "maxProperties"))
         else:
             return None
     paths = list(_walk_keywords(schema, "", keywords, formats))
@@ -285,3 +290,73 @@ def _walk_keywords(node, path: str, keywords: set[str], formats: set[str]) -> It
         elif isinstance(value, list):
             for i, sub in enumerate(value):
                 yield from _walk_keywords(sub, _join(path, f"{keyword}.{i}"), keywords, formats)
+
+
+# What llguidance (1.9.1) refuses even when lenient, and gramserve drops from the schema it
+# compiles (reporting the keyword unenforced) rather than falling back to xgrammar for the whole
+# schema: a regex its engine cannot parse (look-around, back-references) as a `pattern` or a
+# `patternProperties` name (the properties it would match then meet additionalProperties),
+# and an integer lower bound at or below -2**63 (its integer-range regex overflows there;
+# such bounds are int64's, written by schema generators).
+_LLG_REGEX_ERROR = "regex parse error"
+_LLG_INT_RANGE = "Failed to generate regex for integer range"
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+
+
+def llguidance_relaxed(schema, error: str) -> tuple[dict, list[str]] | None:
+    """`schema` without the keywords llguidance's lenient compile `error` is about (see
+    above), and their paths, for the caller to compile and report; None when the error is of
+    another kind or names nothing found. Pure: `schema` is not changed."""
+    if _LLG_REGEX_ERROR in error:
+        from llguidance import LLMatcher
+
+        def unparsable(regex) -> bool:
+            return isinstance(regex, str) and _LLG_REGEX_ERROR in LLMatcher.validate_grammar(
+                LLMatcher.grammar_from_regex(regex))
+
+        def refused(keyword: str, value) -> bool:
+            return keyword == "pattern" and unparsable(value)
+
+        def refused_name(keyword: str, name: str) -> bool:
+            return keyword == "patternProperties" and unparsable(name)
+    elif _LLG_INT_RANGE in error:
+        def refused(keyword: str, value) -> bool:
+            return (keyword in _LOWER_BOUNDS and isinstance(value, int | float)
+                    and not isinstance(value, bool) and float(value) <= -2.0 ** 63)
+
+        def refused_name(keyword: str, name: str) -> bool:
+            return False
+    else:
+        return None
+    paths: list[str] = []
+    relaxed = _without(schema, "", refused, refused_name, paths)
+    return (relaxed, paths) if paths else None
+
+
+def _without(node, path: str, drop: Callable[[str, object], bool],
+             drop_name: Callable[[str, str], bool], paths: list[str]):
+    """A copy of `node` without the keywords `drop` picks and the map entries `drop_name`
+    picks, their paths appended to `paths` (the walk of `_walk_keywords`)."""
+    if isinstance(node, list):
+        return [_without(sub, _join(path, str(i)), drop, drop_name, paths)
+                for i, sub in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for keyword, value in node.items():
+        if drop(keyword, value):
+            paths.append(_join(path, keyword))
+        elif keyword in ("enum", "const", "default", "examples") or not isinstance(
+                value, dict | list):
+            out[keyword] = value
+        elif isinstance(value, dict) and (keyword in _MAP or keyword == "dependencies"):
+            out[keyword] = {}
+            for name, sub in value.items():
+                where = _join(path, f"{keyword}.{name}")
+                if drop_name(keyword, name):
+                    paths.append(where)
+                else:
+                    out[keyword][name] = _without(sub, where, drop, drop_name, paths)
+        else:
+            out[keyword] = _without(value, _join(path, keyword), drop, drop_name, paths)
+    return out

@@ -178,9 +178,12 @@ AUTO_CASES = {
     "schema_llguidance_ignores_and_reports": (dict(json_schema=json.dumps(NOT)), LLGUIDANCE,
                                               'but those it reports (Unimplemented keys: '
                                               '["not"])', ("not",)),
-    "schema_llguidance_refuses": (dict(json_schema=json.dumps(LOOKAHEAD)), XGRAMMAR,
-                                  "xgrammar compiles it without enforcing pattern",
-                                  ("pattern",)),
+    "schema_llguidance_refuses_a_pattern": (dict(json_schema=json.dumps(LOOKAHEAD)),
+                                            LLGUIDANCE, "refused even leniently, left out: "
+                                            "pattern", ("pattern",)),
+    "schema_only_xgrammar_enforces": (dict(json_schema=json.dumps(
+        {"type": "string", "format": "uri-template"})), XGRAMMAR,
+        "Unknown format: uri-template; xgrammar compiles it", ()),
     "schema_overlapping_one_of": (dict(json_schema=json.dumps(ONE_OF)), LLGUIDANCE,
                                   "oneOf not fully supported, falling back to anyOf",
                                   ("oneOf",)),
@@ -242,15 +245,63 @@ def test_what_llguidance_cannot_enforce_is_reported_and_the_rest_stays_exact(
     (['Unimplemented keys: ["not", "if"]'], ["if", "properties.a.not"]),
     (["Unknown format: regex"], ["properties.a.format"]),
     (["oneOf not fully supported, falling back to anyOf. This may cause errors."], ["oneOf"]),
+    (['Unimplemented keys: ["not"] (12 times)', "Unknown format: regex (3 times)"],
+     ["properties.a.format", "properties.a.not"]),
+    (['min/maxProperties only supported when all keys listed in "properties" are required'],
+     ["properties.b.maxProperties"]),
     (["Something new llguidance says"], None),
     (['Unimplemented keys: ["dependentRequired"]'], None),  # not in the schema: not understood
 ])
 def test_llguidance_warnings_become_reported_paths_or_nothing_is_trusted(warnings, paths):
     from grammar_service.unenforced import llguidance_unenforced
 
-    schema = {"properties": {"a": {"format": "regex", "not": {"const": 1}}},
+    schema = {"properties": {"a": {"format": "regex", "not": {"const": 1}},
+                             "b": {"type": "object", "maxProperties": 2}},
               "oneOf": [{}], "if": {}, "enum": [{"not": 1}]}
     assert llguidance_unenforced(schema, warnings) == paths
+
+
+def test_what_llguidance_refuses_even_leniently_is_dropped_reported_and_the_rest_enforced(
+        backends, ranks, vocab):
+    """A look-around pattern, a look-around patternProperties name and an int64 lower bound:
+    llguidance refuses them even when lenient; auto compiles the rest on llguidance (not the
+    whole schema on xgrammar) and reports each dropped keyword."""
+    schema = {"type": "object", "properties": {
+        "id": {"type": "string", "pattern": "^(?!x)[a-z]+$"},
+        "code": {"type": "string", "pattern": "^[a-z]{2}$"},
+        "n": {"type": "integer", "minimum": -2 ** 63, "maximum": 10},
+        "meta": {"type": "object", "patternProperties": {"^(?!_)\\w+$": {"type": "integer"}},
+                 "additionalProperties": False}},
+        "required": ["id", "code", "n"], "not": {"required": ["zz"]}}
+    compiled = compile_spec(schema_spec(schema), backends)
+    assert compiled.backend == LLGUIDANCE
+    assert sorted(compiled.unenforced) == [
+        "not", "properties.id.pattern", "properties.meta.patternProperties.^(?!_)\\w+$",
+        "properties.n.minimum"]
+    m = ranks[LLGUIDANCE].new_matcher(ranks[LLGUIDANCE].deserialize(compiled.payload))
+    assert accepts(m, vocab, '{"id": "xa", "code": "ab", "n": -5}')  # pattern dropped
+    assert not accepts(m, vocab, '{"id": "a", "code": "abc", "n": 1}')  # kept pattern: exact
+    assert not accepts(m, vocab, '{"id": "a", "code": "ab", "n": 11}')  # kept maximum: exact
+    assert not accepts(m, vocab, '{"id": 1, "code": "ab", "n": 1}')  # its type: exact
+    # the dropped name's properties now meet additionalProperties: false
+    assert not accepts(m, vocab, '{"id": "a", "code": "ab", "n": 1, "meta": {"k": 1}}')
+    with pytest.raises(StrictRefused, match="properties.id.pattern"):
+        compile_spec(schema_spec(schema, strict=True), backends)
+
+
+def test_llguidance_relaxed_leaves_other_errors_and_the_schema_alone():
+    from grammar_service.unenforced import llguidance_relaxed
+
+    schema = {"properties": {"a": {"pattern": "(a)\\1"}, "pattern": {"minimum": -2 ** 63}},
+              "enum": [{"pattern": "(?=x)"}]}
+    before = json.dumps(schema)
+    relaxed, paths = llguidance_relaxed(schema, "regex parse error:\n    (a)\\1")
+    assert paths == ["properties.a.pattern"] and "pattern" not in relaxed["properties"]["a"]
+    assert relaxed["enum"] == schema["enum"] and json.dumps(schema) == before
+    assert llguidance_relaxed(schema, "Failed to generate regex for integer range: min=..."
+                              )[1] == ["properties.pattern.minimum"]
+    assert llguidance_relaxed(schema, "Unimplemented keys: [\"not\"]") is None
+    assert llguidance_relaxed({"pattern": "^a$"}, "regex parse error: x") is None
 
 
 def test_strict_refuses_only_what_no_backend_enforces(backends):
