@@ -57,14 +57,15 @@ def _requests(harness, mode: str) -> list[Request]:
 
 @pytest.fixture(scope="module")
 def runs(harness):
-    """mode -> (request id -> Outcome, forced tokens the engine took for them)."""
+    """mode -> (request id -> Outcome, forced tokens the engine took for them in chains,
+    without sampling)."""
     out = {}
     for mode in (CONSTRAINED, UNCONSTRAINED):
-        before = harness.engine.stats["forced_tokens"]
+        before = harness.engine.stats["chain_tokens"]
         reqs = _requests(harness, mode)
         outs = harness.run(reqs)
         out[mode] = ({r.request_id: outs[r.request_id] for r in reqs},
-                     harness.engine.stats["forced_tokens"] - before, reqs)
+                     harness.engine.stats["chain_tokens"] - before, reqs)
     return out
 
 

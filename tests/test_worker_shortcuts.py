@@ -193,3 +193,27 @@ def test_forced_tokens_have_logprob_zero_and_are_the_only_alternative(results):
                   if lp[0] == 0.0 and lp[1] == [tok]]
         assert len(forced) >= 6, rid
 
+
+
+def test_the_device_flag_of_a_single_allowed_token_agrees_with_the_host_scan():
+    """`single_allowed_rows` (on the device, from the step's mask rows) and `ForcedScan`
+    (on the host) say the same for every kind of row: one bit, one bit in a word with others
+    beside it, two words, none, all, and a bit only among the padded ids past the vocabulary."""
+    import torch
+
+    from gpu_worker.guided.forced import ForcedScan, single_allowed_rows
+
+    vocab, width = 1000, 40  # 1000 = 31 words + 8 bits; 40 words cover 1280 ids
+    rows = torch.zeros((9, width), dtype=torch.int32)
+    rows[0, 3] = 1 << 7                    # one token: 103
+    rows[1, 30] = -(1 << 31)               # one token in the sign bit: 991
+    rows[2, 31] = 1 << 7                   # one token in the partial word: 999
+    rows[3, 5] = 0b101                     # two tokens, one word
+    rows[4, 2], rows[4, 9] = 1, 1          # two tokens, two words
+    rows[6] = -1                           # all
+    rows[7, 31] = 1 << 9                   # only a padded id (1001): none
+    rows[8, 31], rows[8, 0] = (1 << 9) | 1, 1 << 4  # 4 and 992 (+ padded 1001)
+    # row 5: nothing allowed
+    want = [t >= 0 for t in ForcedScan(vocab, width).single_allowed(rows, list(range(9)))]
+    assert want == [True, True, True, False, False, False, False, False, False]
+    assert single_allowed_rows(rows, vocab).tolist() == want

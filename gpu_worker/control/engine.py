@@ -14,22 +14,27 @@ One step, identical on every rank:
      freed with every piece of their state dropped (I5).
 
 Two shortcuts do less work for exactly the same tokens (each can be turned off):
-- Forced tokens (`forced_tokens`): where the fill thread fills a row's mask, it also follows
-  the chain of tokens the row's grammar allows alone (gpu_worker.guided.forced). The row
-  skips sampling; its forced tokens are emitted at once and fed to its next forward, and its
-  next fill joins the step's batch. (The step loop is overlapped: the forward launched while a
-  forced token is found had the token before it, so a lone forced token saves no step; the
-  rest of a longer chain is followed at once and fed as one chunk, saving n - 2 steps.) A row
-  asking for unconstrained logprobs takes no forced tokens: they were never run through the
-  model at their own positions, so it samples each one (the same token: the only one allowed).
+- Forced tokens (`forced_tokens`): the step loop is overlapped (the forward launched while
+  a row's token is found already had the token before it), so a lone forced token saves no
+  step, nor does the first of a chain; a chain of n saves n - 2 when its second token is found
+  at once (gpu_worker.guided.forced). So a row samples the first forced token like any other,
+  and the device notes that its mask allowed that one token (the note travels with the token).
+  The row's next fill job then counts the bits of its fresh mask and follows the chain (accept,
+  fill again) while the grammar allows one token; the row takes the chain in place of
+  sampling, its tokens are emitted at once and fed to its next forward as one chunk. Rows whose
+  last token was not forced pay for no scan. A row asking for unconstrained logprobs takes no
+  forced tokens: they were never run through the model at their own positions, so it samples
+  each one (the same token: the only one allowed).
 - Accept-first (`accept_first`): sampling is argmax(logits / T + g) with per-request noise g,
   so when the argmax over the whole vocabulary is a token the grammar allows, it is also the
   argmax over the allowed tokens: the token mask-first sampling gives. Rows sampled greedily
   or with temperature only (no top-k/top-p/min-p, no logprobs, past min_tokens) sample
   unmasked and need no mask fill. Their token is checked when it is accepted, at the commit;
-  a refused token is resampled there from the step's saved logits with the row's mask (every
-  word written, I4) and the same noise, and the row's input of the forward already launched
-  is rewritten at its next feed (that row loses one step). A row backs off after a refusal:
+  a refused row is sampled again at the next sampling point, from the logits saved at its
+  first try, masked (its fill joins the step's batch, every word written, I4), with the same
+  noise (the same token index) and the same sampler path: the token mask-first sampling
+  gives. The row's input of the forward already launched is rewritten at its next feed (that
+  row loses one step). A row backs off after a refusal:
   it samples mask-first for 1, 3, 7, ... up to `accept_first_max_backoff` tokens, and an
   acceptance halves its backoff. The engine keeps a moving average of the refusal rate over
   all tries; while it is above one half (a model that does not follow the grammar), a new
@@ -79,6 +84,8 @@ STOP, LENGTH, GRAMMAR_COMPLETED, CANCELLED = "stop", "length", "grammar_complete
 DEAD_END, DIVERGENCE, INTERNAL, UNAVAILABLE = "dead_end", "divergence", "internal", "unavailable"
 # Sampled ids that are no token: the row had no allowed token, or non-finite logits.
 _DEAD, _NONFINITE = -1, -2
+# Added to a sampled id on its way to the host: the row's mask allowed that token alone.
+_SINGLE = 1 << 32
 # gRPC's UNAVAILABLE as a number (the engine imports no grpc): a rank of the group failed.
 _UNAVAILABLE_CODE = 14
 
@@ -168,9 +175,11 @@ class Run:
     # state after `prep.chain`.
     job: Future | None = None
     prep: RowJob | None = None
-    # Took forced tokens at its last sampling point and waits for its next fill, which joins
-    # the step's batch (and follows the rest of a chain).
-    chained: bool = False
+    # Its last token was the only one its mask allowed: its next job follows forced tokens.
+    follow: bool = False
+    # Its accept-first token was refused: (the step's saved logits, its row there, the
+    # sampler flags of that step), sampled again masked at the next sampling point.
+    redo: tuple[torch.Tensor, int, SamplingFlags] | None = None
     stops: frozenset[int] = frozenset()  # ids that end the output (engine, request, grammar)
     af_backoff: int = 0            # accept-first: mask-first tokens after the next refusal
     af_skip: int = 0               # accept-first: mask-first tokens left before trying again
@@ -207,7 +216,9 @@ class _InFlight:
 
     rows: list[Run]
     tokens: torch.Tensor           # (R,) int64 on the device, dead rows as 0: the next inputs
-    host: torch.Tensor             # (R,) int64 on the host (pinned), dead rows as -1
+    # (R,) int64 on the host (pinned): the token (dead rows -1, -2), plus _SINGLE where the
+    # row's mask allowed that token alone
+    host: torch.Tensor
     done: torch.cuda.Event | None  # recorded after the copy (CUDA)
     step: int
     row_of: dict[int, int]         # slot -> row in `tokens`
@@ -215,10 +226,11 @@ class _InFlight:
     # (L, k) token ids on the host, ready with `done`); None when no row asked.
     logprobs: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
     # Accept-first rows (indices in `rows`); `saved` is the step's (R, V) logits as sampled
-    # (theirs unmasked), kept for a resample at the commit.
+    # (theirs unmasked), kept for sampling a refused row again.
     accept_first: frozenset[int] = frozenset()
     saved: torch.Tensor | None = None
-    # The sampling batch's flags: a resample takes the same code path (bit for bit, I3).
+    # The sampling batch's flags: a refused row is sampled again on the same code path (bit
+    # for bit, I3).
     flags: SamplingFlags | None = None
 
 
@@ -300,7 +312,7 @@ class Engine:
                                 fill_threads=cfg.mask_fill_threads or "auto")
         self.scan = ForcedScan(vocab_size, self.masks.width) if cfg.forced_tokens else None
         self.stats: Counter[str] = Counter()
-        self._redo: tuple[list[Run], torch.Tensor] | None = None  # resampled at the commit
+        self._redo: list[Run] = []  # refused at the commit: sampled again at the next sampling
         self._refusal_rate = 0.0  # moving average over accept-first tries (1 = refused)
         # One bitmask row on the host for the "can the grammar only end here?" check.
         self._end_row = torch.empty((1, self.masks.width), dtype=torch.int32)
@@ -354,7 +366,7 @@ class Engine:
             self.failed = exc
             log.error("engine stopped: %s", exc, exc_info=not isinstance(exc, RuntimeError))
             self.table.abort_step()
-            self._inflight = self._redo = None
+            self._inflight, self._redo = None, []
             # Library errors (gloo's lost peer) name their C++ source files: not for clients.
             self._fail_all(UNAVAILABLE, public_message(f"worker rank failed: {exc}"))
             self._flush()
@@ -383,15 +395,14 @@ class Engine:
             if self._inflight is not None:
                 inflight, self._inflight = self._inflight, None
                 ahead = self._commit(inflight, t)
-            # The next fills, one job while the forward runs: rows that go on after the
-            # commit, rows that took forced tokens at the last sampling.
-            self._submit(ahead + self._chained_runs())
-            if seqs or self._redo is not None:
+            # The next fills, one job while the forward runs.
+            self._submit(ahead)
+            if seqs or self._redo:
                 self._inflight = self._sample(seqs, logits, t)
             if seqs:
                 self._record(seqs, t, time.perf_counter() - t0)
         self._flush()
-        if self.draining and not self.runs and self._inflight is None and self._redo is None:
+        if self.draining and not self.runs and self._inflight is None and not self._redo:
             self._end_drain(timed_out=False)
 
     def _lockstep(self) -> bool:
@@ -440,7 +451,7 @@ class Engine:
         gateways admit them elsewhere)."""
         if timed_out:
             log.warning("drain timeout: failing %d running requests", len(self.runs))
-            self._inflight = self._redo = None
+            self._inflight, self._redo = None, []
         self._fail_all(UNAVAILABLE, f"the worker group shut down: its drain timeout "
                                     f"({self.cfg.drain_timeout_s:g} s) passed before this "
                                     "request finished")
@@ -500,7 +511,7 @@ class Engine:
         for the first time get their fill-thread job submitted first, so it runs meanwhile. A
         row whose newest token is still on the device gets it there (no host round trip)."""
         fresh = [s.run for s in seqs if s.samples and s.run.req.matcher is not None
-                 and s.run.prep is None and not s.run.pending and not s.run.chained
+                 and s.run.prep is None and not s.run.pending
                  and not self._accept_first(s.run)]
         if fresh:
             self._submit(fresh)
@@ -537,80 +548,97 @@ class Engine:
                 t: dict[str, float]) -> _InFlight | None:
         """Mask and sample the step's sampling rows on the device; start the copy of their
         tokens to the host. First the rows' fill-thread jobs are waited for and their forced
-        chains taken: a row with a chain (or whose token is being resampled) does not sample
-        now. Rows that ended while the forward ran are left out. Tokens resampled at this
-        step's commit join the copy."""
+        chains taken: a row with a chain does not sample now. Rows that ended while the
+        forward ran are left out. Rows whose accept-first token the last commit refused are
+        sampled too, from their saved logits (`Run.redo`), after the step's own rows."""
         live = [s.run for s in seqs if s.samples and self.runs.get(s.run.slot) is s.run]
+        redo = [r for r in self._redo if self.runs.get(r.slot) is r]
+        self._redo = []
         t_wait = time.perf_counter()
-        t["mask_fill"] = self._wait_jobs([r.job for r in live])
+        t["mask_fill"] = self._wait_jobs([r.job for r in live + redo])
         t_mask = time.perf_counter()
         t["mask_fill_exposed"] = t_mask - t_wait
-        for r in live:
+        for r in {id(r): r for r in live + redo}.values():
             r.job = None  # done; `prep` keeps its results until the row samples
             if r.prep is not None and r.prep.chain:
                 self._take_chain(r)
         # A row that took forced tokens samples nothing now: they feed its next forward.
         keep = [i for i, s in enumerate(seqs) if s.samples and self.runs.get(s.run.slot) is s.run
-                and s.run.fed == s.run.known]
-        rows = [seqs[i].run for i in keep]
-        redo, self._redo = self._redo, None
-        if not rows and redo is None:
+                and s.run.fed == s.run.known and s.run.redo is None]
+        redo = [r for r in redo if r.redo is not None and self.runs.get(r.slot) is r
+                and r.fed == r.known]
+        rows = [seqs[i].run for i in keep] + redo
+        if not rows:
             return None
-        parts, af = [], []
-        lp = None
-        if rows:
-            if len(rows) < logits.shape[0]:
+        parts = []
+        if keep:
+            if len(keep) < logits.shape[0]:
                 logits = logits.index_select(0, _index(keep, logits.device))
-            logits = logits.contiguous()                                # (R, V)
-            if self.vocab_size < logits.shape[1]:
-                logits[:, self.vocab_size:] = float("-inf")  # padded ids are no tokens
-            masked = []
-            for j, r in enumerate(rows):
-                if r.req.matcher is None:
-                    continue
-                if self._accept_first(r):
-                    af.append(j)
-                else:
-                    masked.append(j)
-                    r.af_skip = max(0, r.af_skip - 1)
-            stale = [rows[j] for j in masked if rows[j].prep is None]
-            if stale:  # not filled for its current state (its mode changed since its commit)
-                self._submit(stale, forced=False)
-                t["mask_fill"] += self._wait_jobs([r.job for r in stale])
-            for r in rows:
-                r.job = r.prep = None
-                r.af_next = None
-            t_mask = time.perf_counter()
-            raw = self._unmasked(logits, rows)
-            if masked:
-                self.masks.apply(logits, masked, [rows[j].slot for j in masked])
-            self._suppress_early_stop(logits, rows)
-            saved = None
-            if af:
-                saved = logits.clone()  # every row: one device copy, no index to send
-                self.stats["accept_first"] += len(af)
-                if self.metrics is not None:
-                    self.metrics.accept_first_sampled.inc(len(af))
-            t_sample = time.perf_counter()
-            t["mask_apply"] = t_sample - t_mask
-            batch = self._sampling_batch(rows)
+            parts.append(logits)
+        if redo:  # all refused at one commit: one saved tensor
+            saved = redo[0].redo[0]
+            parts.append(saved.index_select(0, _index([r.redo[1] for r in redo], saved.device)))
+        logits = (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()   # (R, V)
+        if self.vocab_size < logits.shape[1]:
+            logits[:, self.vocab_size:] = float("-inf")  # padded ids are no tokens
+        masked, af = [], []
+        for j, r in enumerate(rows):
+            if r.req.matcher is None:
+                continue
+            if self._accept_first(r):
+                af.append(j)
+            else:
+                masked.append(j)
+                r.af_skip = max(0, r.af_skip - 1)
+        stale = [rows[j] for j in masked if rows[j].prep is None]
+        if stale:  # not filled for its current state (its mode changed since its commit)
+            self._submit(stale, forced=False)
+            t["mask_fill"] += self._wait_jobs([r.job for r in stale])
+        for r in rows:
+            r.job = r.prep = None
+            r.af_next = None
+        t_mask = time.perf_counter()
+        raw = self._unmasked(logits, rows)
+        single = None
+        if masked:
+            if self.scan is not None:
+                single = torch.zeros(len(rows), dtype=torch.bool, device=logits.device)
+            self.masks.apply(logits, masked, [rows[j].slot for j in masked], single,
+                             self.vocab_size)
+        self._suppress_early_stop(logits, rows)
+        saved = None
+        if af:
+            saved = logits.clone()  # every row: one device copy, no index to send
+            self.stats["accept_first"] += len(af)
+            if self.metrics is not None:
+                self.metrics.accept_first_sampled.inc(len(af))
+        t_sample = time.perf_counter()
+        t["mask_apply"] = t_sample - t_mask
+        n = len(rows) - len(redo)
+        flags = None
+        picked = []
+        if n:
+            batch = self._sampling_batch(rows[:n])
             flags = batch.flags
-            tokens, dead = sample(logits, batch)
-            # A NaN or +inf logit among the tokens a row may take is the model's failure, not
-            # the grammar's: such a row is -2, a row with nothing allowed (a dead end) -1.
-            broken = ~(logits < float("inf")).all(dim=-1)                # (R,) NaN or +inf
-            parts.append(torch.where(broken, _NONFINITE, torch.where(dead, _DEAD, tokens)))
-            lp = self._logprobs(logits, tokens, rows, raw)
-        else:
-            saved, flags, t_sample = None, None, time.perf_counter()
-        if redo is not None:
-            rows = rows + redo[0]
-            parts.append(redo[1])
-        picked = parts[0] if len(parts) == 1 else torch.cat(parts)
+            picked.append(sample(logits[:n], batch))
+        if redo:
+            # The sampler path of their first try (the fused and the PyTorch path may differ
+            # in the last bit of the noise).
+            picked.append(sample(logits[n:], replace(self._sampling_batch(redo),
+                                                     flags=redo[0].redo[2])))
+            for r in redo:
+                r.redo = None
+        tokens, dead = picked[0] if len(picked) == 1 else map(torch.cat, zip(*picked, strict=True))
+        # A NaN or +inf logit among the tokens a row may take is the model's failure, not
+        # the grammar's: such a row is -2, a row with nothing allowed (a dead end) -1.
+        broken = ~(logits < float("inf")).all(dim=-1)                    # (R,) NaN or +inf
+        picked = torch.where(broken, _NONFINITE, torch.where(dead, _DEAD, tokens))
+        lp = self._logprobs(logits, tokens, rows, raw)
+        wire = picked if single is None else picked + (single & (picked >= 0)) * _SINGLE
         # One device-to-host copy per step, started now and waited for at the commit.
-        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=picked.is_cuda)
-        host.copy_(picked, non_blocking=True)
-        done = torch.cuda.Event() if picked.is_cuda else None
+        host = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=wire.is_cuda)
+        host.copy_(wire, non_blocking=True)
+        done = torch.cuda.Event() if wire.is_cuda else None
         if done is not None:
             done.record()
         for r in rows:
@@ -676,12 +704,15 @@ class Engine:
 
     def _commit(self, inflight: _InFlight, t: dict[str, float]) -> list[Run]:
         """The host side of a sampled step: check divergence, accept each token into the
-        rank's own matcher (a refused accept-first token is resampled), finish rows. Returns
-        the rows that go on mask-first (their fills are the step's next job)."""
+        rank's own matcher (a refused accept-first token is sampled again at the next
+        sampling point), finish rows. Returns the rows that go on mask-first (their fills
+        are the step's next job)."""
         t0 = time.perf_counter()
         if inflight.done is not None:
             inflight.done.synchronize()
-        picked = inflight.host.tolist()
+        wire = inflight.host.tolist()
+        single = [v >= _SINGLE for v in wire]
+        picked = [v - _SINGLE if one else v for v, one in zip(wire, single, strict=True)]
         rows = inflight.rows
         for r in rows:
             r.pending = 0
@@ -694,67 +725,61 @@ class Engine:
             if diverged and self.metrics is not None:
                 self.metrics.tp_divergence.inc()
         lp = _logprob_rows(inflight)
-        refused = []
+        forced = 0
         for j, r in enumerate(rows):
             if self.runs.get(r.slot) is not r:  # released while its token was in flight
                 continue
             if not self._advance(r, picked[j], j in diverged, lp.get(j),
                                  j in inflight.accept_first):
-                refused.append(j)
-        if refused:
-            self._resample(inflight, refused)
-        redo = set(refused)
+                self._refused(r, inflight, j)
+            elif single[j]:
+                r.follow = True
+                forced += 1
+        if forced:
+            self.stats["forced_tokens"] += forced
+            if self.metrics is not None:
+                self.metrics.forced_tokens.inc(forced)
         t["commit"] = time.perf_counter() - t0
-        return [r for j, r in enumerate(rows) if r.req.matcher is not None
-                and self.runs.get(r.slot) is r and j not in redo and not self._accept_first(r)]
+        return [r for r in rows if r.req.matcher is not None and self.runs.get(r.slot) is r
+                and not self._accept_first(r)]
 
-    def _resample(self, inflight: _InFlight, refused: list[int]) -> None:
-        """Sample the refused accept-first rows again from their saved logits, masked this
-        time, with the same noise (same seed and token index): the token mask-first sampling
-        would have given. The tokens join the next copy to the host; the input each row had
-        in the forward already launched is rewritten at its next feed."""
-        rows = [inflight.rows[j] for j in refused]
-        self.stats["resamples"] += len(rows)
+    def _refused(self, r: Run, inflight: _InFlight, j: int) -> None:
+        """Row j's accept-first token was refused by its grammar: back off, and sample it
+        again at the next sampling point, masked, from the logits saved at its try, with the
+        same noise (same seed and token index) and sampler path: the token mask-first
+        sampling gives. Its input in the forward already launched is rewritten at its next
+        feed."""
+        self.stats["resamples"] += 1
         if self.metrics is not None:
-            self.metrics.resamples.inc(len(rows))
-        for r in rows:
-            self._accept_first_result(r, refused=True)
-        self._submit(rows, forced=False)
-        self._wait_jobs([rows[0].job])
-        logits = inflight.saved.index_select(
-            0, _index(refused, inflight.saved.device))
-        # Staging set 1: set 0's copies for this step's own rows may still be queued.
-        self.masks.apply(logits, list(range(len(rows))), [r.slot for r in rows], stage=1)
-        # The flags of the step's batch: the sampler takes the path the row's first sampling
-        # took (the fused and the PyTorch path may differ in the last bit of the noise).
-        tokens, dead = sample(logits, replace(self._sampling_batch(rows), flags=inflight.flags))
-        for r in rows:
-            r.job = r.prep = None
-            r.pending = 1  # the resampled token, on the device: the row samples nothing now
-            if r.fed > len(r.generated):
-                r.fed -= 1
-        self._redo = (rows, torch.where(dead, _DEAD, tokens))
-
-    def _chained_runs(self) -> list[Run]:
-        """The running rows waiting for their fill after forced tokens (see `_take_chain`)."""
-        return [r for r in self.runs.values() if r.chained]
+            self.metrics.resamples.inc()
+        self._accept_first_result(r, refused=True)
+        if r.fed > len(r.generated):
+            r.fed -= 1
+        r.redo = (inflight.saved, j, inflight.flags)
+        self._redo.append(r)
 
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
-        bitmask rows and follow forced tokens (unless `forced` is False or the engine does
-        not). A row asking for unconstrained logprobs follows none (a budget of 0): it
-        samples every token, so each has the model's logits at its own position.
+        bitmask rows, and follow forced tokens for the rows whose last token was forced
+        (`Run.follow`; unless `forced` is False or the engine follows none). A row asking for
+        unconstrained logprobs follows none (a budget of 0): it samples every token, so each
+        has the model's logits at its own position.
 
         A released slot's pending job may still write its row; its next tenant's job is
         submitted later and so runs later, and is waited for before that row is used."""
         if not runs:
             return
-        jobs = [RowJob(r.req.matcher, r.slot, 0 if r.req.unconstrained_logprobs else max(0, min(
-            r.req.max_tokens - r.known, self.cfg.max_model_len - r.prefilled - r.known)), r.stops,
-            follow=r.chained) for r in runs]
-        future = self._fill_pool.submit(prepare, self.masks, self.scan if forced else None, jobs)
+        jobs = []
+        for r in runs:
+            budget = 0
+            if forced and r.follow and not r.req.unconstrained_logprobs:
+                budget = max(0, min(r.req.max_tokens - r.known,
+                                    self.cfg.max_model_len - r.prefilled - r.known))
+            jobs.append(RowJob(r.req.matcher, r.slot, budget, r.stops))
+        scan = self.scan if forced and any(j.budget for j in jobs) else None
+        future = self._fill_pool.submit(prepare, self.masks, scan, jobs)
         for r, job in zip(runs, jobs, strict=True):
-            r.job, r.prep, r.chained = future, job, False
+            r.job, r.prep, r.follow = future, job, False
 
     def _advance(self, r: Run, token: int, diverged: bool, logprob=None,
                  accept_first: bool = False) -> bool:
@@ -790,17 +815,18 @@ class Engine:
     def _take_chain(self, r: Run) -> None:
         """Emit the forced tokens r's job accepted into its matcher (log-probability 0: the
         only token the masked distribution allows), in place of sampling; the next plan feeds
-        them. Where the job did not fill r's mask after them, r's next fill joins the next
-        batch (`chained`). Never a row asking for unconstrained logprobs: its jobs follow no
-        chain (`_submit`)."""
+        them, and r's mask is filled for its state after them. A row to be sampled again
+        (`redo`) takes its chain instead: the chain's first token is that token. Never a row
+        asking for unconstrained logprobs: its jobs follow no chain (`_submit`)."""
         job = r.prep
         chain, job.chain = job.chain, []
+        r.redo = None
         self.stats["forced_tokens"] += len(chain)
-        self.stats["chains"] += not job.follow  # a `follow` job goes on with the same chain
+        self.stats["chain_tokens"] += len(chain)  # taken without sampling
+        self.stats["chains"] += 1
         if self.metrics is not None:
             self.metrics.forced_tokens.inc(len(chain))
-            if not job.follow:
-                self.metrics.forced_chains.inc()
+            self.metrics.forced_chains.inc()
         top = r.req.top_logprobs > 0
         for n, token in enumerate(chain, 1):
             if self.runs.get(r.slot) is not r:
@@ -809,8 +835,6 @@ class Engine:
             # token is checked against it (a chain stops where the grammar could be complete).
             self._take(r, token, (0.0, [token] if top else [], [0.0] if top else [])
                        if r.req.logprobs else None, grammar_ends=n == len(chain))
-        if self.runs.get(r.slot) is r and not job.filled:
-            r.prep, r.chained = None, True
 
     def _take(self, r: Run, token: int, logprob=None, grammar_ends: bool = True) -> None:
         """Append an accepted token to r's output; finish r where it ends (by its grammar

@@ -8,20 +8,24 @@ feeds them to the row's next forward, several as one chunk. Only single tokens o
 vocabulary are followed, never re-tokenised text, so the output is the one sampling would
 have produced token for token.
 
-`prepare` runs on the engine's mask-fill thread for the rows that sample mask-first next: it
-fills each row's bitmask for the matcher's current state (one batch for the step's rows, as
-without forced tokens) and, with a `ForcedScan`, counts the bits of the rows it just filled
-(about two microseconds a row); a single allowed token is accepted. The engine emits it in
-place of sampling and feeds it to the row's next forward, and the row's next fill joins the
-next batch, so a lone forced token costs nothing more than the scan. A row whose fill after a
-forced token finds another one follows the rest of the chain at once (filled again after each
-token), and the whole rest is fed as one chunk: in the overlapped step loop a chain of n
-forced tokens saves n - 2 steps, at the cost of one more fill round for the rows in such
-chains. A chain ends before a stop token (sampling takes those: the grammar may end there), at
-the row's token budget, or where the grammar allows more than one token. Rows sampled
-accept-first get no job: their masks are never filled, and the model predicts a forced token
-like any other (accept-first then gives it exactly); checking them would cost the fill
-accept-first saves.
+What pays in the overlapped step loop: the forward of a step is launched before the host
+knows the token sampled at the step before, so a lone forced token saves nothing (the forward
+that would take it is already running with it), and neither does the first of a chain. A
+chain of n forced tokens saves n - 2 steps when its second token is found at once: the row
+takes tokens 2..n in place of sampling and feeds them as one chunk. So the first forced token
+of a chain is sampled like any other; the device notes that its mask allowed one token
+(`single_allowed_rows`, a few kernels over the step's mask rows, no host scan) and the token
+travels to the host with that note. Only then does the row's next job count the bits of its
+fresh mask (`ForcedScan`, about two microseconds a row) and follow the chain: accept the
+token, fill again, until the grammar allows more than one token. Rows whose last token was
+not forced, most rows, cost nothing more than a fill.
+
+`prepare` runs on the engine's mask-fill thread for the rows that sample mask-first next: one
+batch of fills for the step's rows, then rounds only for rows following a chain. A chain ends
+before a stop token (sampling takes those: the grammar may end there), at the row's token
+budget, or where the grammar allows more than one token. Rows sampled accept-first get no job:
+their masks are never filled, and the model predicts a forced token like any other
+(accept-first then gives it exactly).
 """
 
 from __future__ import annotations
@@ -35,21 +39,15 @@ import torch
 
 @dataclass
 class RowJob:
-    """One row's work: fill its mask and follow forced tokens (up to `budget` of them, never
-    one of `stop_ids`). A row's first forced token ends its job (the engine emits it and
-    feeds it to the next forward, and the row's next job joins the step's batch of fills);
-    a row with `follow` (whose previous job ended on a forced token) goes on: filled again
-    after each, until the grammar allows more than one token. Results: `chain`, the forced
-    tokens accepted, and `filled`, whether the slot's bitmask row holds the mask of the
-    matcher's state after them."""
+    """One row's work: fill its mask and, up to `budget` tokens (0: none), follow forced
+    tokens, never one of `stop_ids`: accept each and fill again. Result: `chain`, the forced
+    tokens accepted; the slot's bitmask row then holds the mask after them."""
 
     matcher: object
     slot: int
     budget: int
     stop_ids: frozenset[int]
-    follow: bool = False
     chain: list[int] = field(default_factory=list)
-    filled: bool = False
 
 
 class ForcedScan:
@@ -80,24 +78,30 @@ class ForcedScan:
 
 
 def prepare(filler, scan: ForcedScan | None, jobs: list[RowJob]) -> tuple[float, int]:
-    """Run `jobs` (see RowJob) with `filler` (a MaskFiller): one batch of fills, then more
-    only for `follow` rows that met another forced token. `scan` None: fill only, follow no
-    forced token. Returns (seconds, bitmask rows filled)."""
+    """Run `jobs` (see RowJob) with `filler` (a MaskFiller): one batch of fills, then one
+    more round for the rows that took a forced token, until none does. `scan` None: fill
+    only. Returns (seconds, bitmask rows filled)."""
     t0 = time.perf_counter()
     fills = 0
     active = jobs
     while active:
         filler.fill([j.matcher for j in active], [j.slot for j in active])
         fills += len(active)
-        for j in active:
-            j.filled = True
         if scan is None:
             break
-        took = _accept_forced(filler, scan, active)
-        for j in took:
-            j.filled = False
-        active = [j for j in took if j.follow]
+        active = _accept_forced(filler, scan, active)
     return time.perf_counter() - t0, fills
+
+
+def single_allowed_rows(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(k,) bool on `mask`'s device: whether bitmask row i ((k, words) int32, the packed
+    layout) allows exactly one token below `vocab_size`. A handful of kernels, no sync."""
+    full, rest = divmod(min(vocab_size, 32 * mask.shape[1]), 32)
+    words = mask[:, :full + (rest > 0)].to(torch.int64) & 0xFFFFFFFF       # (k, w) unsigned
+    if rest:
+        words[:, full] &= (1 << rest) - 1  # ids from vocab_size on are no tokens
+    total = words.sum(dim=1)  # with one nonzero word: that word
+    return ((words != 0).sum(dim=1) == 1) & ((total & (total - 1)) == 0)
 
 
 def _accept_forced(filler, scan: ForcedScan, jobs: list[RowJob]) -> list[RowJob]:

@@ -22,6 +22,7 @@ import llguidance
 import torch
 import xgrammar as xgr
 
+from gpu_worker.guided.forced import single_allowed_rows
 from gpu_worker.guided.mask_kernel import apply_token_bitmask_
 from grammar_service.backends import LLGuidanceMatcher
 
@@ -42,10 +43,7 @@ class MaskFiller:
         self.device = device
         pin = device.type == "cuda"
         self.host = torch.full((rows, self.width), -1, dtype=torch.int32, pin_memory=pin)
-        # Two independent staging sets, so a step can apply masks twice (a resample of
-        # refused accept-first rows at the commit, then the step's own rows) while the first
-        # set's copies are still queued on the device.
-        self._stages = [_Stage(self.host, rows, device) for _ in range(2)]
+        self._stage = _Stage(self.host, rows, device)
         self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads)
         self._llg = llguidance.LLExecutor(None if fill_threads == "auto" else int(fill_threads))
 
@@ -77,12 +75,14 @@ class MaskFiller:
         return time.perf_counter() - t0
 
     def apply(self, logits: torch.Tensor, positions: list[int], slots: list[int],
-              stage: int = 0) -> None:
-        """Mask logits rows `positions` (of (R, V)) in place with slot rows `slots`, through
-        staging set `stage` (0 or 1). A set is free again once the device work queued after
-        its previous use has run (the engine syncs on each step's sampled ids)."""
+              single: torch.Tensor | None = None, tokens: int | None = None) -> None:
+        """Mask logits rows `positions` (of (R, V)) in place with slot rows `slots`. With
+        `single` ((R,) bool on the logits' device), also set single[positions[i]] to whether
+        slot row slots[i] allows exactly one token below `tokens` (default: the buffer's
+        vocabulary). The staging buffers are free again once the device work queued after
+        their previous use has run (the engine syncs on each step's sampled ids)."""
         k = len(positions)
-        st = self._stages[stage]
+        st = self._stage
         st.rows_host[:, :k] = torch.tensor([positions, slots], dtype=torch.int64)
         if st.dev is self.host:
             rows, guided = st.rows_host[0, :k], self.host.index_select(0, st.rows_host[1, :k])
@@ -95,10 +95,13 @@ class MaskFiller:
         mask = guided.new_empty((logits.shape[0], self.width))
         mask.index_copy_(0, rows, guided)
         apply_token_bitmask_(logits, mask, rows, vocab_size=self.vocab_size)
+        if single is not None:
+            single.index_copy_(0, rows, single_allowed_rows(
+                guided, self.vocab_size if tokens is None else tokens))
 
 
 class _Stage:
-    """Pinned host staging and device buffers for one `apply`: the gathered guided rows and
+    """Pinned host staging and device buffers for `apply`: the gathered guided rows and
     their (logits row, slot) indices. On CPU the host buffer serves directly."""
 
     def __init__(self, host: torch.Tensor, rows: int, device: torch.device):
