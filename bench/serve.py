@@ -315,6 +315,11 @@ def interleave(plans: dict[str, list], rounds: int):
                     yield rnd, run, name
 
 
+# --shortcuts settings: (forced tokens, accept-first) of the worker
+SHORTCUTS = {"on": (True, True), "off": (False, False), "forced": (True, False),
+             "accept-first": (False, True)}
+
+
 def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
                rnd: int = 1) -> list[dict]:
     """Every (concurrency, family, ratio) run of `plan`; returns one row dict each."""
@@ -585,19 +590,20 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
 
 
 def settings_ratios(rows: list[dict]) -> list[str]:
-    """Lines 'shortcuts on ÷ off' per run measured under both settings: output tokens/s of
-    the same round, interleaved, and their median over rounds."""
+    """Lines 'shortcuts <setting> ÷ off' per run measured under both settings: output
+    tokens/s of the same round, interleaved, and their median over rounds."""
     tps = {(r["concurrency"], r["family"], r["ratio"], r.get("shortcuts"), r.get("round", 1)):
            r["output_tokens_per_second"] for r in rows}
     out = []
-    for c, fam, ratio in dict.fromkeys(k[:3] for k in tps):
-        pairs = [tps[(c, fam, ratio, "on", n)] / tps[(c, fam, ratio, "off", n)]
-                 for (c2, f2, r2, s, n) in tps if (c2, f2, r2, s) == (c, fam, ratio, "on")
-                 and tps.get((c, fam, ratio, "off", n))]
-        if pairs:
-            each = ", ".join(f"{x:.2f}" for x in pairs)
-            out.append(f"shortcuts on ÷ off, c={c} {fam} {ratio:.0%} guided: "
-                       f"{statistics.median(pairs):.2f} (rounds: {each})")
+    for setting in (s for s in SHORTCUTS if s != "off"):
+        for c, fam, ratio in dict.fromkeys(k[:3] for k in tps):
+            pairs = [tps[(c, fam, ratio, setting, n)] / tps[(c, fam, ratio, "off", n)]
+                     for (c2, f2, r2, s, n) in tps if (c2, f2, r2, s) == (c, fam, ratio, setting)
+                     and tps.get((c, fam, ratio, "off", n))]
+            if pairs:
+                each = ", ".join(f"{x:.2f}" for x in pairs)
+                out.append(f"shortcuts {setting} ÷ off, c={c} {fam} {ratio:.0%} guided: "
+                           f"{statistics.median(pairs):.2f} (rounds: {each})")
     return ["", *out] if out else []
 
 
@@ -649,8 +655,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-gil", action="store_true",
                    help="sample only threads holding the GIL (gateway)")
     p.add_argument("--shortcuts", default="on,off",
-                   help="worker forced tokens and accept-first: on, off, or on,off (a second "
-                        "stack runs --variant-runs with the other setting)")
+                   help="worker forced tokens and accept-first, one stack per setting: on, "
+                        "off, forced (forced tokens only), accept-first (accept-first only), "
+                        "comma-separated; stacks after the first run --variant-runs")
     p.add_argument("--variant-runs", default="64:-:0,64:short:1,64:long:1,256:long:1",
                    help="c:family:ratio runs of the second --shortcuts setting")
     p.add_argument("--rounds", type=int, default=1,
@@ -672,8 +679,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ns.families = ns.families.split(",")
     ns.profile = set(filter(None, ns.profile.split(",")))
     ns.shortcuts = ns.shortcuts.split(",")
-    if not ns.shortcuts or not set(ns.shortcuts) <= {"on", "off"}:
-        raise SystemExit("--shortcuts must be on, off, on,off or off,on")
+    if not ns.shortcuts or not set(ns.shortcuts) <= set(SHORTCUTS):
+        raise SystemExit(f"--shortcuts: comma-separated settings of {', '.join(SHORTCUTS)}")
     ns.variant_runs = [(int(c), f, float(r)) for c, f, r in
                        (item.split(":") for item in ns.variant_runs.split(",") if item)]
     if ns.tokenizer is None and ns.train_tokenizer:
@@ -777,8 +784,9 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
     try:
         for shortcuts in ns.shortcuts:
             # The worker's --forced-tokens / --accept-first, through their GRAMSERVE_ variables.
-            flag = "1" if shortcuts == "on" else "0"
-            variant_env = dict(env, GRAMSERVE_FORCED_TOKENS=flag, GRAMSERVE_ACCEPT_FIRST=flag)
+            forced, accept_first = SHORTCUTS[shortcuts]
+            variant_env = dict(env, GRAMSERVE_FORCED_TOKENS=str(int(forced)),
+                               GRAMSERVE_ACCEPT_FIRST=str(int(accept_first)))
             plans[shortcuts] = (matrix_plan(ns) if shortcuts == ns.shortcuts[0]
                                 else ns.variant_runs)
             stack = stacks[shortcuts] = Stack(args, variant_env, out / f"stack-{shortcuts}.log")

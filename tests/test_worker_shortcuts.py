@@ -196,12 +196,14 @@ def test_forced_tokens_have_logprob_zero_and_are_the_only_alternative(results):
 
 
 def test_the_device_flag_of_a_single_allowed_token_agrees_with_the_host_scan():
-    """`single_allowed_rows` (on the device, from the step's mask rows) and `ForcedScan`
-    (on the host) say the same for every kind of row: one bit, one bit in a word with others
-    beside it, two words, none, all, and a bit only among the padded ids past the vocabulary."""
+    """`single_allowed` (on the device, from the step's masked logits) and `ForcedScan` (on
+    the host, from the bitmask) say the same for every kind of row: one bit, one bit in the
+    sign bit or the partial last word, two bits in one word or in two, none, all, and a bit
+    only among the padded ids past the vocabulary."""
     import torch
 
-    from gpu_worker.guided.forced import ForcedScan, single_allowed_rows
+    from gpu_worker.guided.forced import ForcedScan, single_allowed
+    from gpu_worker.guided.mask_reference import apply_token_bitmask_reference_
 
     vocab, width = 1000, 40  # 1000 = 31 words + 8 bits; 40 words cover 1280 ids
     rows = torch.zeros((9, width), dtype=torch.int32)
@@ -216,4 +218,6 @@ def test_the_device_flag_of_a_single_allowed_token_agrees_with_the_host_scan():
     # row 5: nothing allowed
     want = [t >= 0 for t in ForcedScan(vocab, width).single_allowed(rows, list(range(9)))]
     assert want == [True, True, True, False, False, False, False, False, False]
-    assert single_allowed_rows(rows, vocab).tolist() == want
+    logits = torch.randn((9, 1024))  # the model's padded vocabulary
+    apply_token_bitmask_reference_(logits, rows, vocab_size=vocab)
+    assert single_allowed(logits).tolist() == want

@@ -70,7 +70,7 @@ import torch
 
 from gpu_worker.control.lockstep import ControlChannel, diverged_rows
 from gpu_worker.control.slots import Entry, SlotTable
-from gpu_worker.guided.forced import ForcedScan, RowJob, prepare
+from gpu_worker.guided.forced import ForcedScan, RowJob, prepare, single_allowed
 from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 from gpu_worker.sampling.sampler import SamplingBatch, SamplingFlags, sample
@@ -599,12 +599,8 @@ class Engine:
             r.af_next = None
         t_mask = time.perf_counter()
         raw = self._unmasked(logits, rows)
-        single = None
         if masked:
-            if self.scan is not None:
-                single = torch.zeros(len(rows), dtype=torch.bool, device=logits.device)
-            self.masks.apply(logits, masked, [rows[j].slot for j in masked], single,
-                             self.vocab_size)
+            self.masks.apply(logits, masked, [rows[j].slot for j in masked])
         self._suppress_early_stop(logits, rows)
         saved = None
         if af:
@@ -634,7 +630,9 @@ class Engine:
         broken = ~(logits < float("inf")).all(dim=-1)                    # (R,) NaN or +inf
         picked = torch.where(broken, _NONFINITE, torch.where(dead, _DEAD, tokens))
         lp = self._logprobs(logits, tokens, rows, raw)
-        wire = picked if single is None else picked + (single & (picked >= 0)) * _SINGLE
+        wire = picked
+        if masked and self.scan is not None:  # rows whose token was the only one allowed
+            wire = torch.where(single_allowed(logits) & (picked >= 0), picked + _SINGLE, picked)
         # One device-to-host copy per step, started now and waited for at the commit.
         host = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=wire.is_cuda)
         host.copy_(wire, non_blocking=True)

@@ -13,9 +13,9 @@ knows the token sampled at the step before, so a lone forced token saves nothing
 that would take it is already running with it), and neither does the first of a chain. A
 chain of n forced tokens saves n - 2 steps when its second token is found at once: the row
 takes tokens 2..n in place of sampling and feeds them as one chunk. So the first forced token
-of a chain is sampled like any other; the device notes that its mask allowed one token
-(`single_allowed_rows`, a few kernels over the step's mask rows, no host scan) and the token
-travels to the host with that note. Only then does the row's next job count the bits of its
+of a chain is sampled like any other; the device notes that its masked logits had one token
+left (`single_allowed`, three kernels, no host scan) and the token travels to the host with
+that note. Only then does the row's next job count the bits of its
 fresh mask (`ForcedScan`, about two microseconds a row) and follow the chain: accept the
 token, fill again, until the grammar allows more than one token. Rows whose last token was
 not forced, most rows, cost nothing more than a fill.
@@ -93,15 +93,12 @@ def prepare(filler, scan: ForcedScan | None, jobs: list[RowJob]) -> tuple[float,
     return time.perf_counter() - t0, fills
 
 
-def single_allowed_rows(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(k,) bool on `mask`'s device: whether bitmask row i ((k, words) int32, the packed
-    layout) allows exactly one token below `vocab_size`. A handful of kernels, no sync."""
-    full, rest = divmod(min(vocab_size, 32 * mask.shape[1]), 32)
-    words = mask[:, :full + (rest > 0)].to(torch.int64) & 0xFFFFFFFF       # (k, w) unsigned
-    if rest:
-        words[:, full] &= (1 << rest) - 1  # ids from vocab_size on are no tokens
-    total = words.sum(dim=1)  # with one nonzero word: that word
-    return ((words != 0).sum(dim=1) == 1) & ((total & (total - 1)) == 0)
+def single_allowed(logits: torch.Tensor) -> torch.Tensor:
+    """(R,) bool: the rows of masked (R, V) logits with exactly one token left (one value
+    above -inf). Three kernels, no sync. The same on every rank: every rank has the same
+    logits (all-gathered) and the same masks. A model's own -inf can only make a row look
+    single: the flag only asks the row's next job to scan its mask, which decides."""
+    return (logits > float("-inf")).sum(dim=1) == 1
 
 
 def _accept_forced(filler, scan: ForcedScan, jobs: list[RowJob]) -> list[RowJob]:

@@ -22,7 +22,6 @@ import llguidance
 import torch
 import xgrammar as xgr
 
-from gpu_worker.guided.forced import single_allowed_rows
 from gpu_worker.guided.mask_kernel import apply_token_bitmask_
 from grammar_service.backends import LLGuidanceMatcher
 
@@ -74,13 +73,10 @@ class MaskFiller:
             matcher.fill_next_token_bitmask(self.host, slot)
         return time.perf_counter() - t0
 
-    def apply(self, logits: torch.Tensor, positions: list[int], slots: list[int],
-              single: torch.Tensor | None = None, tokens: int | None = None) -> None:
-        """Mask logits rows `positions` (of (R, V)) in place with slot rows `slots`. With
-        `single` ((R,) bool on the logits' device), also set single[positions[i]] to whether
-        slot row slots[i] allows exactly one token below `tokens` (default: the buffer's
-        vocabulary). The staging buffers are free again once the device work queued after
-        their previous use has run (the engine syncs on each step's sampled ids)."""
+    def apply(self, logits: torch.Tensor, positions: list[int], slots: list[int]) -> None:
+        """Mask logits rows `positions` (of (R, V)) in place with slot rows `slots`. The
+        staging buffers are free again once the device work queued after their previous use
+        has run (the engine syncs on each step's sampled ids)."""
         k = len(positions)
         st = self._stage
         st.rows_host[:, :k] = torch.tensor([positions, slots], dtype=torch.int64)
@@ -95,9 +91,6 @@ class MaskFiller:
         mask = guided.new_empty((logits.shape[0], self.width))
         mask.index_copy_(0, rows, guided)
         apply_token_bitmask_(logits, mask, rows, vocab_size=self.vocab_size)
-        if single is not None:
-            single.index_copy_(0, rows, single_allowed_rows(
-                guided, self.vocab_size if tokens is None else tokens))
 
 
 class _Stage:
