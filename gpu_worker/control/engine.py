@@ -16,15 +16,17 @@ One step, identical on every rank:
 Two shortcuts do less work for exactly the same tokens (each can be turned off):
 - Forced tokens (`forced_tokens`): the step loop is overlapped (the forward launched while
   a row's token is found already had the token before it), so a lone forced token saves no
-  step, nor does the first of a chain; a chain of n saves n - 2 when its second token is found
-  at once (gpu_worker.guided.forced). So a row samples the first forced token like any other,
-  and the device notes that its mask allowed that one token (the note travels with the token).
-  The row's next fill job then counts the bits of its fresh mask and follows the chain (accept,
-  fill again) while the grammar allows one token; the row takes the chain in place of
-  sampling, its tokens are emitted at once and fed to its next forward as one chunk. Rows whose
-  last token was not forced pay for no scan. A row asking for unconstrained logprobs takes no
-  forced tokens: they were never run through the model at their own positions, so it samples
-  each one (the same token: the only one allowed).
+  step, nor does the first of a chain, and following a chain at once costs a fill round on
+  the critical path per token (gpu_worker.guided.forced has the arithmetic). So a row samples
+  the first forced token like any other, and the device notes that its masked logits had
+  that one token left (the note travels with the token). After one forced token the row's
+  next job scans its fresh mask and takes a forced token in place of sampling (its next fill
+  joins the next batch); after two, the job follows the chain at once (accept, fill again)
+  while the grammar allows one token. Taken tokens are emitted at once and fed to the row's
+  next forward as one chunk. Rows whose last token was not forced pay for no scan. A row
+  asking for unconstrained logprobs takes no forced tokens: they were never run through the
+  model at their own positions, so it samples each one (the same token: the only one
+  allowed).
 - Accept-first (`accept_first`): sampling is argmax(logits / T + g) with per-request noise g,
   so when the argmax over the whole vocabulary is a token the grammar allows, it is also the
   argmax over the allowed tokens: the token mask-first sampling gives. Rows sampled greedily
@@ -175,8 +177,11 @@ class Run:
     # state after `prep.chain`.
     job: Future | None = None
     prep: RowJob | None = None
-    # Its last token was the only one its mask allowed: its next job follows forced tokens.
-    follow: bool = False
+    # Forced tokens (the only one its mask allowed) that its output ends with: from one, its
+    # next job takes a forced token; from two, it follows the chain (gpu_worker.guided.forced)
+    forced_run: int = 0
+    # Took forced tokens without a fill after them: its next fill joins the step's batch.
+    chained: bool = False
     # Its accept-first token was refused: (the step's saved logits, its row there, the
     # sampler flags of that step), sampled again masked at the next sampling point.
     redo: tuple[torch.Tensor, int, SamplingFlags] | None = None
@@ -395,8 +400,9 @@ class Engine:
             if self._inflight is not None:
                 inflight, self._inflight = self._inflight, None
                 ahead = self._commit(inflight, t)
-            # The next fills, one job while the forward runs.
-            self._submit(ahead)
+            # The next fills, one job while the forward runs: rows that go on after the
+            # commit, rows that took forced tokens at the last sampling point.
+            self._submit(ahead + [r for r in self.runs.values() if r.chained])
             if seqs or self._redo:
                 self._inflight = self._sample(seqs, logits, t)
             if seqs:
@@ -511,7 +517,7 @@ class Engine:
         for the first time get their fill-thread job submitted first, so it runs meanwhile. A
         row whose newest token is still on the device gets it there (no host round trip)."""
         fresh = [s.run for s in seqs if s.samples and s.run.req.matcher is not None
-                 and s.run.prep is None and not s.run.pending
+                 and s.run.prep is None and not s.run.pending and not s.run.chained
                  and not self._accept_first(s.run)]
         if fresh:
             self._submit(fresh)
@@ -731,8 +737,10 @@ class Engine:
                                  j in inflight.accept_first):
                 self._refused(r, inflight, j)
             elif single[j]:
-                r.follow = True
+                r.forced_run += 1
                 forced += 1
+            else:
+                r.forced_run = 0
         if forced:
             self.stats["forced_tokens"] += forced
             if self.metrics is not None:
@@ -758,10 +766,10 @@ class Engine:
 
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
-        bitmask rows, and follow forced tokens for the rows whose last token was forced
-        (`Run.follow`; unless `forced` is False or the engine follows none). A row asking for
-        unconstrained logprobs follows none (a budget of 0): it samples every token, so each
-        has the model's logits at its own position.
+        bitmask rows, and take forced tokens for the rows whose output ends with one
+        (`Run.forced_run`; unless `forced` is False or the engine takes none). A row asking
+        for unconstrained logprobs takes none (a budget of 0): it samples every token, so
+        each has the model's logits at its own position.
 
         A released slot's pending job may still write its row; its next tenant's job is
         submitted later and so runs later, and is waited for before that row is used."""
@@ -770,14 +778,14 @@ class Engine:
         jobs = []
         for r in runs:
             budget = 0
-            if forced and r.follow and not r.req.unconstrained_logprobs:
+            if forced and r.forced_run and not r.req.unconstrained_logprobs:
                 budget = max(0, min(r.req.max_tokens - r.known,
                                     self.cfg.max_model_len - r.prefilled - r.known))
-            jobs.append(RowJob(r.req.matcher, r.slot, budget, r.stops))
+            jobs.append(RowJob(r.req.matcher, r.slot, budget, r.stops, more=r.forced_run > 1))
         scan = self.scan if forced and any(j.budget for j in jobs) else None
         future = self._fill_pool.submit(prepare, self.masks, scan, jobs)
         for r, job in zip(runs, jobs, strict=True):
-            r.job, r.prep, r.follow = future, job, False
+            r.job, r.prep, r.chained = future, job, False
 
     def _advance(self, r: Run, token: int, diverged: bool, logprob=None,
                  accept_first: bool = False) -> bool:
@@ -813,12 +821,14 @@ class Engine:
     def _take_chain(self, r: Run) -> None:
         """Emit the forced tokens r's job accepted into its matcher (log-probability 0: the
         only token the masked distribution allows), in place of sampling; the next plan feeds
-        them, and r's mask is filled for its state after them. A row to be sampled again
-        (`redo`) takes its chain instead: the chain's first token is that token. Never a row
-        asking for unconstrained logprobs: its jobs follow no chain (`_submit`)."""
+        them. Where the job did not fill r's mask after them, r's next fill joins the next
+        batch (`chained`). A row to be sampled again (`redo`) takes its chain instead: the
+        chain's first token is that token. Never a row asking for unconstrained logprobs: its
+        jobs take no forced tokens (`_submit`)."""
         job = r.prep
         chain, job.chain = job.chain, []
         r.redo = None
+        r.forced_run += len(chain)
         self.stats["forced_tokens"] += len(chain)
         self.stats["chain_tokens"] += len(chain)  # taken without sampling
         self.stats["chains"] += 1
@@ -833,6 +843,8 @@ class Engine:
             # token is checked against it (a chain stops where the grammar could be complete).
             self._take(r, token, (0.0, [token] if top else [], [0.0] if top else [])
                        if r.req.logprobs else None, grammar_ends=n == len(chain))
+        if self.runs.get(r.slot) is r and not job.filled:
+            r.prep, r.chained = None, True
 
     def _take(self, r: Run, token: int, logprob=None, grammar_ends: bool = True) -> None:
         """Append an accepted token to r's output; finish r where it ends (by its grammar

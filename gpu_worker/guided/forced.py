@@ -10,16 +10,19 @@ have produced token for token.
 
 What pays in the overlapped step loop: the forward of a step is launched before the host
 knows the token sampled at the step before, so a lone forced token saves nothing (the forward
-that would take it is already running with it), and neither does the first of a chain. A
-chain of n forced tokens saves n - 2 steps when its second token is found at once: the row
-takes tokens 2..n in place of sampling and feeds them as one chunk. So the first forced token
-of a chain is sampled like any other; the device notes that its masked logits had one token
-left (`single_allowed`, three kernels, no host scan) and the token travels to the host with
-that note. Only then does the row's next job count the bits of its
-fresh mask (`ForcedScan`, about two microseconds a row) and follow the chain: accept the
-token, fill again, until the grammar allows more than one token. Rows whose last token was
-not forced, most rows, cost nothing more than a fill.
-
+that would take it is already running with it), and neither does the first of a chain. Taking
+a chain's tokens in one step saves a step per token past the first taken, but finding each
+means one more fill after the step's batch, on the critical path (a round for the few rows in
+chains costs about what the whole batch costs, since rows fill in parallel): it pays only in
+chains that go on. So, by a row's run of forced tokens so far (the device notes, with each
+sampled token, whether its masked logits had one token left: `single_allowed`, three kernels,
+no host scan):
+- its last token was not forced (most rows): the job only fills;
+- one forced token: the job counts the bits of the fresh mask (`ForcedScan`, about two
+  microseconds a row) and takes a forced token in place of sampling, filling after it in the
+  next step's batch (nothing saved, and nothing spent but the scan);
+- two or more: the job follows the chain at once (accept, fill again) while the grammar
+  allows one token, and the row feeds the rest as one chunk: a chain of n saves n - 3 steps.
 `prepare` runs on the engine's mask-fill thread for the rows that sample mask-first next: one
 batch of fills for the step's rows, then rounds only for rows following a chain. A chain ends
 before a stop token (sampling takes those: the grammar may end there), at the row's token
@@ -39,15 +42,18 @@ import torch
 
 @dataclass
 class RowJob:
-    """One row's work: fill its mask and, up to `budget` tokens (0: none), follow forced
-    tokens, never one of `stop_ids`: accept each and fill again. Result: `chain`, the forced
-    tokens accepted; the slot's bitmask row then holds the mask after them."""
+    """One row's work: fill its mask and, up to `budget` tokens (0: none), take a forced
+    token (never one of `stop_ids`) into its matcher; with `more`, fill again after it and go
+    on while the grammar allows one token. Results: `chain`, the forced tokens accepted, and
+    `filled`, whether the slot's bitmask row holds the mask after them."""
 
     matcher: object
     slot: int
     budget: int
     stop_ids: frozenset[int]
+    more: bool = False
     chain: list[int] = field(default_factory=list)
+    filled: bool = False
 
 
 class ForcedScan:
@@ -79,17 +85,22 @@ class ForcedScan:
 
 def prepare(filler, scan: ForcedScan | None, jobs: list[RowJob]) -> tuple[float, int]:
     """Run `jobs` (see RowJob) with `filler` (a MaskFiller): one batch of fills, then one
-    more round for the rows that took a forced token, until none does. `scan` None: fill
-    only. Returns (seconds, bitmask rows filled)."""
+    more round for the `more` rows that took a forced token, until none does. `scan` None:
+    fill only. Returns (seconds, bitmask rows filled)."""
     t0 = time.perf_counter()
     fills = 0
     active = jobs
     while active:
         filler.fill([j.matcher for j in active], [j.slot for j in active])
         fills += len(active)
+        for j in active:
+            j.filled = True
         if scan is None:
             break
-        active = _accept_forced(filler, scan, active)
+        took = _accept_forced(filler, scan, active)
+        for j in took:
+            j.filled = False
+        active = [j for j in took if j.more]
     return time.perf_counter() - t0, fills
 
 
