@@ -46,11 +46,13 @@ class WorkerMetrics:
             registry=registry)
         self.forced_tokens = Counter(
             "gramserve_worker_forced_tokens_total",
-            "Output tokens taken without sampling: the only token the grammar allowed.",
+            "Output tokens the grammar allowed alone: sampled (the first of a run) or taken "
+            "in chains without sampling.",
             registry=registry)
         self.forced_chains = Counter(
             "gramserve_worker_forced_chains_total",
-            "Chains of forced tokens, each fed to its row's next forward as one chunk.",
+            "Chains of forced tokens taken without sampling, each fed to its row's next "
+            "forward as one chunk.",
             registry=registry)
         self.accept_first_sampled = Counter(
             "gramserve_worker_accept_first_total",
