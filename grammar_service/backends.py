@@ -220,15 +220,17 @@ def _xgr_compile(compiler: xgr.GrammarCompiler, spec) -> xgr.CompiledGrammar:
 # ---------------------------------------------------------------------------- llguidance
 
 
-@dataclass(frozen=True)
+@dataclass
 class LLGuidanceGrammar:
-    """An llguidance grammar ready on this vocabulary: its text and a matcher at the start,
-    which `new_matcher` copies (the template itself is never advanced)."""
+    """An llguidance grammar checked against this vocabulary: its text, and a matcher at the
+    start which `new_matcher` copies (the template itself is never advanced), built by the
+    first `new_matcher` or `deserialize`: the grammar service, which only checks and sends
+    the text, never builds one (it costs about 4x the check)."""
 
     grammar: str
-    template: object  # llguidance.LLMatcher
     # llguidance's warnings: what a lenient compile ignored or approximated
     warnings: tuple[str, ...] = ()
+    template: object | None = None  # llguidance.LLMatcher
 
 
 class LLGuidanceBackend:
@@ -251,7 +253,14 @@ class LLGuidanceBackend:
         format) or approximated (`oneOf` as `anyOf`), and said in the result's `warnings`,
         which the caller must report (grammar_service.unenforced.llguidance_unenforced).
         """
-        return self._ready(_llg_grammar(spec, lenient))
+        from llguidance import LLMatcher
+
+        grammar = _llg_grammar(spec, lenient)
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if failed:
+            raise BackendError(messages[0] if messages else "llguidance refuses the grammar",
+                               LLGUIDANCE)
+        return LLGuidanceGrammar(grammar, tuple(messages))
 
     def serialize(self, compiled: LLGuidanceGrammar, spec=None,
                   compile_seconds: float | None = None) -> bytes:
@@ -279,6 +288,8 @@ class LLGuidanceBackend:
         if not isinstance(compiled, LLGuidanceGrammar):
             raise BackendError(f"llguidance cannot make a matcher from {type(compiled).__name__}",
                                LLGUIDANCE)
+        if compiled.template is None:
+            compiled.template = self._ready(compiled.grammar).template
         return LLGuidanceMatcher(compiled.template.deep_copy(), self.eos,
                                  (self.tokenizer.vocab_size + 31) // 32)
 
@@ -288,7 +299,7 @@ class LLGuidanceBackend:
         template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise BackendError(template.get_error(), LLGUIDANCE)
-        return LLGuidanceGrammar(grammar, template, tuple(template.get_grammar_warnings()))
+        return LLGuidanceGrammar(grammar, tuple(template.get_grammar_warnings()), template)
 
 
 def _llg_grammar(spec, lenient: bool = False) -> str:

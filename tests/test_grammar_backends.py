@@ -8,6 +8,7 @@ its children; tests/test_grammar_service.py covers the service around it).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -436,3 +437,50 @@ def test_whitespace_options_mean_the_same_on_llguidance(backends, ranks, vocab, 
                        whitespace=whitespace)
     for name in (XGRAMMAR, LLGUIDANCE):
         assert accepts(round_trip(backends, ranks, spec, name), vocab, text) == ok, name
+
+
+@pytest.mark.parametrize("schema", [
+    {"properties": {"default": {"type": "string", "pattern": "("}}},  # a property named default
+    {"patternProperties": {"(": {"type": "integer"}}},
+    {"$defs": {"a": {"$ref": "#/$defs/a b"}}},
+    {"type": "object", "properties": {"a": {"type": "strin"}}},
+    {"items": [{"minLength": -1}]},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"x": {"pattern": "["}}},
+])
+def test_the_fast_meta_check_refuses_what_jsonschema_refuses(schema):
+    """A schema the fast meta-validation accepts, jsonschema's full check accepts too: every
+    invalid one here reaches the full check, whose error names where."""
+    from jsonschema import validators
+
+    from grammar_service.specs import _meta_valid_fast
+
+    cls = validators.validator_for(schema, default=validators.Draft202012Validator)
+    with pytest.raises(Exception):  # noqa: B017 - jsonschema's SchemaError
+        cls.check_schema(schema)
+    assert not _meta_valid_fast(schema, cls)
+    with pytest.raises(InvalidArgument, match="not a valid JSON Schema at"):
+        parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema)))
+
+
+def test_the_fast_meta_check_accepts_the_conformance_suite_schemas_jsonschema_accepts():
+    """On every schema of the JSON Schema Test Suite copy (draft 2020-12 and 7), the fast
+    check never accepts what jsonschema's full check refuses."""
+    from jsonschema import validators
+
+    from grammar_service.specs import _meta_valid_fast
+
+    root = Path(__file__).parent / "data" / "json_schema_test_suite"
+    checked = 0
+    for path in sorted(root.rglob("*.json")):
+        groups = json.loads(path.read_text())
+        if not isinstance(groups, list):
+            continue
+        for group in groups:
+            schema = group.get("schema") if isinstance(group, dict) else None
+            if not isinstance(schema, dict):
+                continue
+            cls = validators.validator_for(schema, default=validators.Draft202012Validator)
+            if _meta_valid_fast(schema, cls):
+                cls.check_schema(schema)  # raises if the fast check was wrong
+                checked += 1
+    assert checked > 400

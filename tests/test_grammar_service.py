@@ -351,3 +351,4 @@ def test_metrics_are_served_over_http_and_move(served):
     stats = stub.Stats(grammar_pb2.StatsRequest(), timeout=10)
     assert stats.misses == service.cache.misses and stats.entries == len(service.cache)
     assert stats.xgrammar_version == importlib.metadata.version("xgrammar")
+
