@@ -1,13 +1,20 @@
 """Real-world JSON schemas through gramserve's compile path: gramserve's choice vs each backend.
 
     PYTHONPATH=$PWD python bench/grammars.py --schemastore GIT_DIR [--tokenizer tok.json]
-        [--limit N] [--timeout S] [--out FILE]
+        [--limit N] [--timeout S] [--jobs N] [--out FILE]
+    PYTHONPATH=$PWD python bench/grammars.py --schemastore GIT_DIR [--limit N]
+        --export-corpus corpus.json
+    PYTHONPATH=$PWD python bench/grammars.py --corpus corpus.json [--limit N] [--jobs N] ...
 
 The corpus: SchemaStore (https://github.com/SchemaStore/schemastore, Apache-2.0; read from
 a clone or bare mirror at --schemastore, the commit is printed): every schema of
 src/schemas/json/ under --max-schema-bytes that has instances in src/test/<name>/ or
 src/negative_test/<name>/ (JSON, YAML or TOML files), --limit of them evenly spaced in
 name order.
+--export-corpus FILE writes that selection to FILE as JSON ({"source", "url", "commit",
+"schemas": [{name, schema, instances: [[data, valid], ...]}]}) and exits without measuring;
+--corpus FILE reads such a file instead of --schemastore (for a machine without a clone;
+--limit then takes an evenly spaced subset of the file's schemas, in its order).
 Nothing of it is copied into this repository. An instance's validity is jsonschema's verdict
 with the format checker (gramserve's output check, gateway/validation.py), not the folder
 it came from; instances jsonschema cannot judge (e.g. a remote $ref) are dropped.
@@ -22,6 +29,12 @@ instances rejected, invalid instances accepted (reported unenforced at compile /
 compile p50/p99/max (validation + compile + serialise + the rank's deserialise and first
 matcher: the path to a request's first mask) and mask p50/p99 (one row, one thread).
 
+--jobs N runs N such worker processes at once, each taking whole schemas from a shared
+queue (a schema's three modes stay together in one worker, each worker with its own deadline
+and restarts); results are reported in the corpus's order, so the table is that of --jobs 1
+but for the timings. Timings are per process, one thread each: keep N at or below half the
+cores, or the compiles and masks compete for them (and for the deadline).
+
 With --tokenizer (e.g. .bench/tok150k.json, a byte-level BPE from bench/serve.py
 --train-tokenizer), the vocabulary is that tokenizer's; otherwise the default model's.
 """
@@ -29,12 +42,15 @@ With --tokenizer (e.g. .bench/tok150k.json, a byte-level BPE from bench/serve.py
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
+import queue
 import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,8 +99,7 @@ def load_corpus(git_dir: str, commit: str, limit: int, max_schema_bytes: int,
             if ext in ("json", "yaml", "yml", "toml"):
                 instances.setdefault(parts[2], []).append((path, ext))
     eligible = sorted(n for n in schemas if n in instances)
-    if limit < len(eligible):  # spread over the alphabet (families of versions sit together)
-        eligible = [eligible[i * len(eligible) // limit] for i in range(limit)]
+    eligible = _spread(eligible, limit)  # over the alphabet (families of versions sit together)
     corpus = []
     for name in eligible:
         try:
@@ -105,6 +120,27 @@ def load_corpus(git_dir: str, commit: str, limit: int, max_schema_bytes: int,
         if judged and isinstance(schema, dict):
             corpus.append({"name": name, "schema": schema, "instances": judged})
     return corpus
+
+
+def _spread(items: list, limit: int) -> list:
+    """`limit` of `items`, evenly spaced (all of them when there are no more)."""
+    if limit < len(items):
+        items = [items[i * len(items) // limit] for i in range(limit)]
+    return items
+
+
+SCHEMASTORE_URL = "https://github.com/SchemaStore/schemastore"
+
+
+def export_corpus(path: Path, commit: str, corpus: list[dict]) -> None:
+    path.write_text(json.dumps({"source": "SchemaStore", "url": SCHEMASTORE_URL,
+                                "commit": commit, "schemas": corpus}))
+
+
+def read_corpus(path: Path, limit: int) -> tuple[str, list[dict]]:
+    """(commit, corpus) from an --export-corpus file, `limit` schemas evenly spaced."""
+    data = json.loads(path.read_text())
+    return data["commit"], _spread(data["schemas"], limit)
 
 
 def vocab_dir(tokenizer_json: Path) -> Path:
@@ -180,6 +216,38 @@ class Worker:
         self.proc.join(10)
 
 
+def run_all(corpus: list[dict], model_dir: Path, timeout: float, jobs: int) -> list[list]:
+    """Per schema of `corpus`, in its order: a row per mode of MODES (None: timeout/crash).
+    `jobs` workers take whole schemas from a shared queue."""
+    rows: list = [None] * len(corpus)
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i in range(len(corpus)):
+        todo.put(i)
+    done, start = itertools.count(1), time.perf_counter()
+
+    def serve() -> None:
+        worker = Worker(model_dir)
+        try:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                entry = corpus[i]
+                rows[i] = [worker.run((entry["schema"], entry["instances"], mode), timeout)
+                           for mode in MODES]
+                if (n := next(done)) % 25 == 0:
+                    print(f"# {n}/{len(corpus)} schemas, {time.perf_counter() - start:.0f} s",
+                          file=sys.stderr, flush=True)
+        finally:
+            worker.close()
+
+    with ThreadPoolExecutor(jobs) as pool:
+        for future in [pool.submit(serve) for _ in range(jobs)]:
+            future.result()
+    return rows
+
+
 # ------------------------------------------------------------------------------ the report
 
 def _pct(values: list[float], p: float) -> float:
@@ -238,40 +306,51 @@ def table(summary: dict[str, dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schemastore", required=True, help="SchemaStore git dir (bare ok)")
-    parser.add_argument("--commit", default="HEAD")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--schemastore", help="SchemaStore git dir (bare ok)")
+    source.add_argument("--corpus", type=Path, help="a corpus from --export-corpus instead")
+    parser.add_argument("--commit", default="HEAD", help="with --schemastore")
+    parser.add_argument("--export-corpus", type=Path, default=None, metavar="FILE",
+                        help="write the selected corpus to FILE as JSON and exit")
     parser.add_argument("--tokenizer", type=Path, default=None)
-    parser.add_argument("--limit", type=int, default=300, help="schemas (default 300)")
+    parser.add_argument("--limit", type=int, default=300,
+                        help="schemas (default 300), evenly spaced in name order (with "
+                             "--corpus: in the file's order)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes at once (default 1; at most half the cores)")
     parser.add_argument("--max-schema-bytes", type=int, default=100_000)
     parser.add_argument("--max-instance-bytes", type=int, default=8_000)
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per compile")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--silent", action="store_true", help="list silent acceptances")
     ns = parser.parse_args(argv)
+    if ns.jobs < 1:
+        parser.error("--jobs must be at least 1")
 
-    commit = _git(ns.schemastore, "rev-parse", ns.commit).strip()
-    corpus = load_corpus(ns.schemastore, commit, ns.limit, ns.max_schema_bytes,
-                         ns.max_instance_bytes)
+    if ns.corpus is not None:
+        commit, corpus = read_corpus(ns.corpus, ns.limit)
+    else:
+        commit = _git(ns.schemastore, "rev-parse", ns.commit).strip()
+        corpus = load_corpus(ns.schemastore, commit, ns.limit, ns.max_schema_bytes,
+                             ns.max_instance_bytes)
+    if ns.export_corpus is not None:
+        export_corpus(ns.export_corpus, commit, corpus)
+        print(f"SchemaStore {commit}: {len(corpus)} schemas written to {ns.export_corpus}")
+        return 0
     if ns.tokenizer is not None:
         model_dir = vocab_dir(ns.tokenizer)
     else:
         from grammar_service.default_model import ensure_default_model
 
         model_dir = ensure_default_model()
-    worker = Worker(model_dir)
+    start = time.perf_counter()
     results: dict[str, list] = {mode: [] for mode in MODES}
     notes = []
-    start = time.perf_counter()
-    for i, entry in enumerate(corpus):
-        for mode in MODES:
-            row = worker.run((entry["schema"], entry["instances"], mode), ns.timeout)
+    for entry, rows in zip(corpus, run_all(corpus, model_dir, ns.timeout, ns.jobs), strict=True):
+        for mode, row in zip(MODES, rows, strict=True):
             results[mode].append(row)
             if row is not None and "invalid_silent" in row["verdicts"]:
                 notes.append(f"silent: {mode} {row['backend']} {entry['name']}")
-        if (i + 1) % 25 == 0:
-            print(f"# {i + 1}/{len(corpus)} schemas, {time.perf_counter() - start:.0f} s",
-                  file=sys.stderr, flush=True)
-    worker.close()
     n_inst = sum(len(e["instances"]) for e in corpus)
     n_valid = sum(v for e in corpus for _, v in e["instances"])
     from grammar_service.vocab import load_vocab
@@ -279,8 +358,9 @@ def main(argv=None) -> int:
     vocab = load_vocab(model_dir)
     report = (f"SchemaStore {commit}: {len(corpus)} schemas, {n_inst} instances "
               f"({n_valid} valid, {n_inst - n_valid} invalid per jsonschema + formats); "
-              f"vocabulary {vocab.model_vocab_size} tokens; one thread; timeout "
-              f"{ns.timeout:.0f} s; {time.perf_counter() - start:.0f} s in all\n"
+              f"vocabulary {vocab.model_vocab_size} tokens; {ns.jobs} job(s) (worker processes, "
+              f"timings per process, one thread each; keep jobs at or below half the cores); "
+              f"timeout {ns.timeout:.0f} s; {time.perf_counter() - start:.0f} s in all\n"
               + table(summarise(results)))
     if ns.silent and notes:
         report += "\n\n" + "\n".join(notes)
