@@ -2,20 +2,18 @@
 
 The rule for `backend: auto` (a client can force either backend with options.backend):
 
-- json_schema: llguidance when it compiles the schema. It refuses (a compile error) what it
-  cannot enforce exactly, e.g. `not`, `oneOf` branches it cannot prove disjoint,
-  `uniqueItems`, `dependentRequired`, unknown `format`s, and otherwise enforces what
-  xgrammar approximates (`allOf`, length bounds next to a `pattern`, large length bounds).
-  When llguidance refuses, it compiles the schema leniently: what it cannot enforce
-  (`not`, `uniqueItems`, `if`, `contains`, an unknown `format`, ...) is ignored, a `oneOf`
-  it cannot prove disjoint becomes `anyOf` (as on xgrammar), and each is reported from its
-  warnings (grammar_service.unenforced.llguidance_unenforced); a `pattern` its regex engine
-  cannot parse (look-around, back-references) and an integer lower bound at or below -2**63,
-  which it refuses even then, are dropped from the schema it compiles and reported the same
-  way (grammar_service.unenforced.llguidance_relaxed). Everything else stays exact, which is
-  more than xgrammar enforces, and it compiles far faster. xgrammar compiles it
-  when it enforces every keyword (e.g. a `format` only it knows), or when the lenient compile
-  fails too (or a warning is not understood), its unenforced keywords reported
+- json_schema: llguidance, compiled once, leniently. What it cannot enforce exactly (`not`,
+  `uniqueItems`, `if`, `contains`, `dependentRequired`, an unknown `format`, ...) is ignored,
+  a `oneOf` it cannot prove disjoint becomes `anyOf` (as on xgrammar), and each is reported
+  from its warnings (grammar_service.unenforced.llguidance_unenforced); a `pattern` its regex
+  engine cannot parse (look-around, back-references) and an integer lower bound at or below
+  -2**63, which it refuses even then, are left out of the schema it compiles and reported the
+  same way (grammar_service.unenforced.llguidance_relaxed). No warning: it enforces every
+  keyword, including what xgrammar approximates (`allOf`, length bounds next to a `pattern`,
+  large length bounds). Everything else stays exact, which is more than xgrammar enforces,
+  and it compiles far faster. xgrammar compiles the schema when it enforces every keyword
+  and llguidance does not (e.g. a `format` only it knows), or when llguidance cannot compile
+  it at all (or a warning is not understood), its unenforced keywords reported
   (grammar_service.unenforced). With options.strict a schema with anything
   unenforced is refused.
   Property order is fixed on both backends: the listed properties in the schema's order,
@@ -68,8 +66,8 @@ _STATIC = {
     "structural_tag": (XGRAMMAR, "auto: structural tags are xgrammar's format"),
     "lark": (LLGUIDANCE, "auto: lark is llguidance's format"),
 }
-# Lenient compiles that drop what llguidance refuses even then (a pattern it cannot parse,
-# an int64 lower bound), each round one kind: past this, xgrammar compiles the schema.
+# Compiles that drop what llguidance refuses even when lenient (a regex it cannot parse, an
+# int64 lower bound), each round one kind: past this, xgrammar compiles the schema.
 _MAX_RELAX = 3
 # Kinds a backend cannot compile at all (a forced choice of it is refused at validation).
 UNSUPPORTED = {XGRAMMAR: frozenset({"lark"}), LLGUIDANCE: frozenset({"structural_tag"})}
@@ -103,26 +101,29 @@ def compile_spec(spec, backends: dict) -> Compiled:
     if spec.kind != "json_schema":
         name, reason = _STATIC[spec.kind]
         return _with(backends[name], spec, reason)
-    try:
-        return _with(backends[LLGUIDANCE], spec,
-                     "auto: llguidance enforces every keyword of this schema")
-    except BackendError as exc:
-        refusal = str(exc)
+    compiled, refusal = _llguidance(backends[LLGUIDANCE], spec)
+    if compiled is not None and not compiled.unenforced:
+        return compiled
     unenforced = tuple(find_unenforced(json.loads(spec.text)))
-    if unenforced:  # else xgrammar enforces it all (e.g. a format only it knows)
-        lenient = _lenient(backends[LLGUIDANCE], spec)
-        if lenient is not None:
-            return lenient
+    if compiled is not None and unenforced:  # both approximate; llguidance enforces more
+        if spec.options.strict:
+            raise StrictRefused("schema uses keywords no backend enforces: "
+                                f"{', '.join(compiled.unenforced)} (unset options.strict to "
+                                "accept an approximation)")
+        return compiled
+    # xgrammar enforces it all (e.g. a format only it knows), or llguidance cannot compile it
     reason = f"auto: {_first_line(refusal)}; xgrammar compiles it"
     if unenforced:
         reason += f" without enforcing {', '.join(unenforced)}"
     return _with(backends[XGRAMMAR], spec, reason)
 
 
-def _lenient(backend, spec) -> Compiled | None:
-    """llguidance ignoring (or, for oneOf, approximating) what it cannot enforce, all of it
-    reported from its warnings; None when it still refuses, or says something we cannot
-    turn into a report."""
+def _llguidance(backend, spec) -> tuple[Compiled | None, str]:
+    """The schema on llguidance, compiled once, leniently: what it cannot enforce is ignored
+    (or, for oneOf, approximated) and reported from its warnings, and what it refuses even
+    then (`llguidance_relaxed`) is left out and reported; no warning means every keyword is
+    enforced, as a strict compile would. (None, why) when it still refuses, or says something
+    we cannot turn into a report; else (the compiled spec, its first warning)."""
     start = time.perf_counter()
     schema, dropped = json.loads(spec.text), []
     for _ in range(_MAX_RELAX):
@@ -132,29 +133,27 @@ def _lenient(backend, spec) -> Compiled | None:
         except BackendError as exc:
             relaxed = llguidance_relaxed(schema, str(exc))
             if relaxed is None:
-                return None
+                return None, str(exc)
             schema, paths = relaxed
             dropped += paths
             spec = replace(spec, text=canonical_json(schema))
     else:
-        return None
+        return None, "llguidance refuses it"
     seconds = time.perf_counter() - start
     paths = llguidance_unenforced(schema, compiled.warnings)
     if paths is None:
-        return None
+        return None, "; ".join(compiled.warnings)
     paths = dropped + paths
+    payload = backend.serialize(compiled, spec, seconds)
     if not paths:
-        return None
-    if spec.options.strict:
-        raise StrictRefused(f"schema uses keywords no backend enforces: {', '.join(paths)} "
-                            "(unset options.strict to accept an approximation)")
+        return Compiled(backend.name, "auto: llguidance enforces every keyword of this schema",
+                        (), payload), ""
     notes = list(compiled.warnings)
     if dropped:
         notes.append(f"refused even leniently, left out: {', '.join(dropped)}")
     reason = ("auto: llguidance enforces every keyword of this schema but those it reports "
               f"({'; '.join(notes)})")
-    return Compiled(backend.name, _first_line(reason), tuple(paths),
-                    backend.serialize(compiled, spec, seconds))
+    return Compiled(backend.name, _first_line(reason), tuple(paths), payload), notes[0]
 
 
 def _with(backend, spec, reason: str) -> Compiled:
