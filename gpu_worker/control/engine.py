@@ -714,9 +714,11 @@ class Engine:
         t0 = time.perf_counter()
         if inflight.done is not None:
             inflight.done.synchronize()
-        wire = inflight.host.tolist()
-        single = [v >= _SINGLE for v in wire]
-        picked = [v - _SINGLE if one else v for v, one in zip(wire, single, strict=True)]
+        picked = inflight.host.tolist()
+        single = [False] * len(picked)
+        if self.scan is not None:  # only then does `_sample` add the forced-token flag
+            single = [v >= _SINGLE for v in picked]
+            picked = [v - _SINGLE if one else v for v, one in zip(picked, single, strict=True)]
         rows = inflight.rows
         for r in rows:
             r.pending = 0
