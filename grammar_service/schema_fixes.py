@@ -36,9 +36,9 @@ from __future__ import annotations
 from typing import Any
 
 # Keys whose values are data, not subschemas.
-_DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})
+DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})
 # Keys whose values map names (not keywords) to subschemas.
-_MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                        "dependentSchemas"})
 _UNESCAPED_CHAR = '[^"\\\\\\x00-\\x1f]'
 # The largest minLength / maxLength rewritten into a repetition for xgrammar (see above).
@@ -142,9 +142,9 @@ def _map(schema: Any, fix, skip_children_of: str | None = None, skip: bool = Fal
         return schema
     out = {}
     for key, value in schema.items():
-        if key in _DATA_KEYS:
+        if key in DATA_KEYS:
             out[key] = value
-        elif key in _MAP_KEYS and isinstance(value, dict):
+        elif key in MAP_KEYS and isinstance(value, dict):
             out[key] = {name: _map(sub, fix, skip_children_of) for name, sub in value.items()}
         else:
             out[key] = _map(value, fix, skip_children_of, skip=key == skip_children_of)

@@ -25,6 +25,7 @@ import jsonschema_rs
 from jsonschema import exceptions as jsonschema_exceptions
 from jsonschema import validators as jsonschema_validators
 
+from grammar_service.schema_fixes import DATA_KEYS, MAP_KEYS
 from protos import common_pb2
 from protos.rpc import InvalidArgument
 
@@ -238,9 +239,7 @@ _META_FORMATS = {"pattern": "regex", "$ref": "uri-reference", "$id": "uri-refere
                  "$dynamicRef": "uri-reference", "$recursiveRef": "uri-reference",
                  "$schema": "uri"}
 _META_NAME_FORMATS = {"patternProperties": "regex", "$vocabulary": "uri"}
-_DATA = frozenset({"enum", "const", "default", "examples"})
-_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas", "dependencies"})
+_MAPS = MAP_KEYS | {"dependencies"}
 
 
 def _meta_valid_fast(schema: dict, cls) -> bool:
@@ -265,7 +264,7 @@ def _meta_valid_fast(schema: dict, cls) -> bool:
         if not isinstance(node, dict):
             continue
         for keyword, value in node.items():
-            if keyword in _DATA:
+            if keyword in DATA_KEYS:
                 continue
             fmt = _META_FORMATS.get(keyword)
             if fmt is not None and isinstance(value, str) and not checker.conforms(value, fmt):
