@@ -441,11 +441,25 @@ def llguidance_tokenizer(tokenizer_json: str, n_vocab: int, eos_token_ids: Itera
     `n_vocab` is the model's (padded) vocabulary, as xgrammar's TokenizerInfo uses: ids past
     the tokenizer's are padding that no grammar allows, and mask rows have ceil(n_vocab / 32)
     words on both backends.
+
+    Slices (llguidance's mask shortcut: a slice whose tokens the lexer all allows is added
+    whole, its trie not walked): llguidance's general ones for free JSON strings, after two
+    of identifier characters (`IDENT_SLICES`), which also hold whole inside strings with a
+    `pattern` of such characters. They change no mask, only its cost.
     """
     import llguidance
 
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab,
-                                  eos_token=[int(t) for t in eos_token_ids])
+    tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab,
+                                 eos_token=[int(t) for t in eos_token_ids])
+    general = llguidance.LLTokenizer.general_slices()
+    return tok.with_slices(general[:1] + list(IDENT_SLICES) + general[1:])
+
+
+# Measured on 128 SchemaStore schemas at a 151k-token BPE (bench/grammars.py's corpus, every
+# mask of every instance, the schema's auto backend): mask p99 1.64 -> 1.14 ms, p50 and the
+# masks themselves unchanged. The general slices walk every identifier-like token inside a
+# string restricted to such characters (e.g. `^[a-zA-Z0-9_]+$`: ~89k of 151k tokens allowed).
+IDENT_SLICES = ("[a-z]{1,10}", "[a-zA-Z0-9_]{1,10}")
 
 
 # ---------------------------------------------------------------------------- both

@@ -147,6 +147,34 @@ def test_llguidance_tokenizer_matches_the_vocabulary_xgrammar_uses(vocab):
             assert tok.decode_bytes([token_id]) == raw, token_id
 
 
+@pytest.mark.parametrize("schema, text", [
+    ({"type": "string", "pattern": "^[a-zA-Z0-9_]+$"}, '"param_1"'),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 5}, '"abcde"'),
+    ({"type": "string"}, '"a free string, with punctuation: 42!"'),
+    ({"type": "string", "format": "uri"}, '"https://example.com/a_b?c=1"'),
+    ({"type": "object", "properties": {"name": {"type": "string"}},
+      "additionalProperties": {"type": "integer"}}, '{"name": "x", "names": 3}'),
+])
+def test_the_identifier_slices_change_no_llguidance_mask(vocab, schema, text):
+    # The slices only decide which tokens' trie is walked: every mask along the text equals
+    # the one llguidance's general slices give.
+    import llguidance
+
+    ours = vocab.llguidance_tokenizer()
+    general = ours.with_slices(llguidance.LLTokenizer.general_slices())
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    matchers = [llguidance.LLMatcher(tok, grammar) for tok in (ours, general)]
+    words = (vocab.model_vocab_size + 31) // 32
+    tokens = vocab.encode(text, add_special_tokens=False)
+    for token in tokens:
+        masks = [torch.zeros(words, dtype=torch.int32) for _ in matchers]
+        for m, mask in zip(matchers, masks, strict=True):
+            m.unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
+        assert torch.equal(*masks)
+        assert all(m.consume_token(token) for m in matchers)
+    assert all(m.is_accepting() for m in matchers)
+
+
 @pytest.mark.parametrize("prefix", ["", "ab", "abc"])
 def test_llguidance_writes_every_word_of_its_row_in_xgrammars_layout(
         backends, ranks, vocab, prefix):
