@@ -144,8 +144,8 @@ def parser() -> argparse.ArgumentParser:
                    help="threads filling the guided rows' bitmasks (0 = one per core)")
     p.add_argument("--forced-tokens", action=argparse.BooleanOptionalAction,
                    type=_flag, default=e("forced_tokens", True),
-                   help="after a forced token, take the tokens the grammar allows alone "
-                        "without sampling, a chain from the third on in one step (same "
+                   help="after two forced tokens in a row, take the rest of the chain of "
+                        "tokens the grammar allows alone without sampling, in one step (same "
                         "output; --no-forced-tokens turns it off)")
     p.add_argument("--accept-first", action=argparse.BooleanOptionalAction,
                    type=_flag, default=e("accept_first", True),

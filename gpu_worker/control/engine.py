@@ -19,10 +19,9 @@ Two shortcuts do less work for exactly the same tokens (each can be turned off):
   step, nor does the first of a chain, and following a chain at once costs a fill round on
   the critical path per token (gpu_worker.guided.forced has the arithmetic). So a row samples
   the first forced token like any other, and the device notes that its masked logits had
-  that one token left (the note travels with the token). After one forced token the row's
-  next job scans its fresh mask and takes a forced token in place of sampling (its next fill
-  joins the next batch); after two, the job follows the chain at once (accept, fill again)
-  while the grammar allows one token. Taken tokens are emitted at once and fed to the row's
+  that one token left (the note travels with the token). After two forced tokens in a row
+  the row's next job scans its fresh mask and follows the chain at once (accept, fill again)
+  while the grammar allows one token; a lone forced token costs no scan. Taken tokens are emitted at once and fed to the row's
   next forward as one chunk. Rows whose last token was not forced pay for no scan. A row
   asking for unconstrained logprobs takes no forced tokens: they were never run through the
   model at their own positions, so it samples each one (the same token: the only one
@@ -768,8 +767,9 @@ class Engine:
 
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
-        bitmask rows, and take forced tokens for the rows whose output ends with one
-        (`Run.forced_run`; unless `forced` is False or the engine takes none). A row asking
+        bitmask rows, and follow the chain of forced tokens of the rows whose output ends
+        with two or more (`Run.forced_run`; unless `forced` is False or the engine takes
+        none). A row asking
         for unconstrained logprobs takes none (a budget of 0): it samples every token, so
         each has the model's logits at its own position.
 
@@ -780,10 +780,10 @@ class Engine:
         jobs = []
         for r in runs:
             budget = 0
-            if forced and r.forced_run and not r.req.unconstrained_logprobs:
+            if forced and r.forced_run > 1 and not r.req.unconstrained_logprobs:
                 budget = max(0, min(r.req.max_tokens - r.known,
                                     self.cfg.max_model_len - r.prefilled - r.known))
-            jobs.append(RowJob(r.req.matcher, r.slot, budget, r.stops, more=r.forced_run > 1))
+            jobs.append(RowJob(r.req.matcher, r.slot, budget, r.stops))
         scan = self.scan if forced and any(j.budget for j in jobs) else None
         future = self._fill_pool.submit(prepare, self.masks, scan, jobs)
         for r, job in zip(runs, jobs, strict=True):

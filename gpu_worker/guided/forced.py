@@ -17,11 +17,11 @@ chains costs about what the whole batch costs, since rows fill in parallel): it 
 chains that go on. So, by a row's run of forced tokens so far (the device notes, with each
 sampled token, whether its masked logits had one token left: `single_allowed`, three kernels,
 no host scan):
-- its last token was not forced (most rows): the job only fills;
-- one forced token: the job counts the bits of the fresh mask (`ForcedScan`, about two
-  microseconds a row) and takes a forced token in place of sampling, filling after it in the
-  next step's batch (nothing saved, and nothing spent but the scan);
-- two or more: the job follows the chain at once (accept, fill again) while the grammar
+- fewer than two forced tokens in a row (most rows): the job only fills; the second token
+  of a chain is sampled like the first (taking it from the mask instead would save no step:
+  its forward is already running);
+- two or more: the job counts the bits of the fresh mask (`ForcedScan`, about two
+  microseconds a row) and follows the chain at once (accept, fill again) while the grammar
   allows one token, and the row feeds the rest as one chunk: a chain of n saves n - 3 steps.
 `prepare` runs on the engine's mask-fill thread for the rows that sample mask-first next: one
 batch of fills for the step's rows, then rounds only for rows following a chain. A chain ends
@@ -42,16 +42,15 @@ import torch
 
 @dataclass
 class RowJob:
-    """One row's work: fill its mask and, up to `budget` tokens (0: none), take a forced
-    token (never one of `stop_ids`) into its matcher; with `more`, fill again after it and go
-    on while the grammar allows one token. Results: `chain`, the forced tokens accepted, and
-    `filled`, whether the slot's bitmask row holds the mask after them."""
+    """One row's work: fill its mask and, up to `budget` tokens (0: none), take forced
+    tokens (never one of `stop_ids`) into its matcher, filling again after each, while the
+    grammar allows one token. Results: `chain`, the forced tokens accepted, and `filled`,
+    whether the slot's bitmask row holds the mask after them."""
 
     matcher: object
     slot: int
     budget: int
     stop_ids: frozenset[int]
-    more: bool = False
     chain: list[int] = field(default_factory=list)
     filled: bool = False
 
@@ -85,7 +84,7 @@ class ForcedScan:
 
 def prepare(filler, scan: ForcedScan | None, jobs: list[RowJob]) -> tuple[float, int]:
     """Run `jobs` (see RowJob) with `filler` (a MaskFiller): one batch of fills, then one
-    more round for the `more` rows that took a forced token, until none does. `scan` None:
+    more round for the rows that took a forced token, until none does. `scan` None:
     fill only. Returns (seconds, bitmask rows filled)."""
     t0 = time.perf_counter()
     fills = 0
@@ -100,7 +99,7 @@ def prepare(filler, scan: ForcedScan | None, jobs: list[RowJob]) -> tuple[float,
         took = _accept_forced(filler, scan, active)
         for j in took:
             j.filled = False
-        active = [j for j in took if j.more]
+        active = took
     return time.perf_counter() - t0, fills
 
 
