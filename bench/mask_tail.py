@@ -8,7 +8,17 @@ token by token and the mask before every token is filled into a one-row bitmask,
 printed: the mask time p50 / p99 / max in microseconds, and the position of the slowest mask
 in the instance text. Variants differ from the baseline in one thing only, so the table says
 which feature makes the tail: a length-bounded string (rewritten into a bounded repetition
-for xgrammar), its bound, the whitespace policy, a long free string.
+for xgrammar), its bound, the whitespace policy, a long free string, a string restricted by a
+`pattern` or a `format`. llguidance runs twice: with gramserve's slices
+(grammar_service.backends.IDENT_SLICES before llguidance's general ones) and with llguidance's
+general slices alone.
+
+    PYTHONPATH=$PWD python bench/mask_tail.py --corpus .bench/schemastore-138.json ...
+
+walks every instance of a bench/grammars.py corpus under gramserve's choice instead, both
+slice sets interleaved schema by schema (the faster of two walks per mask), and prints the
+mask p50 / p90 / p99 / max of each, the masks over 300 us, and how many instances each
+accepts (the same: slices change no mask).
 """
 
 from __future__ import annotations
@@ -41,6 +51,14 @@ VARIANTS = {
     "maxLength 64": (_obj({"type": "string", "maxLength": 64}), {}),
     "maxLength 1000 (not rewritten)": (_obj({"type": "string", "maxLength": 1000}), {}),
     "pattern": (_obj({"type": "string", "pattern": "^[A-Za-z ,.]+$"}), {}),
+    "pattern identifier": (_obj({"type": "string", "pattern": "^[a-zA-Z0-9_]+$"}), {},
+                           "build_step_" * 6 + "42"),
+    "pattern lower-case": (_obj({"type": "string", "pattern": "^[a-z]+$"}), {},
+                           "abcdefghijklmnopqrstuvwxyz" * 2),
+    "format uri": (_obj({"type": "string", "format": "uri"}), {},
+                   "https://example.com/docs/schemas/config.json?version=2&lang=en"),
+    "format date-time": (_obj({"type": "string", "format": "date-time"}), {},
+                         "2024-05-06T07:08:09.123Z"),
     "free string, whitespace any": (_obj({"type": "string"}),
                                     {"whitespace": common_pb2.WHITESPACE_ANY}),
     "free string, compact": (_obj({"type": "string"}),
@@ -67,10 +85,65 @@ def time_masks(judge: Judge, build, text: str, reps: int) -> tuple[list[float], 
     return times, worst_at, len(tokens)
 
 
+def _general_slices(vocab):
+    """`vocab` with llguidance's general slices alone in its cached llguidance tokenizer (the
+    same vocabulary; only the bench swaps it)."""
+    import llguidance
+
+    tok = vocab.llguidance_tokenizer().with_slices(llguidance.LLTokenizer.general_slices())
+    vocab._cache["llguidance_tokenizer"] = tok
+    return vocab
+
+
+def corpus(judge: Judge, general: Judge, path: Path) -> int:
+    """Every mask of every instance of the corpus at `path`, gramserve's choice, with both
+    slice sets (interleaved per instance; per mask the faster of two walks)."""
+    data = json.loads(path.read_text())
+    times = {"gramserve slices": [], "general slices": []}
+    accepted = dict.fromkeys(times, 0)
+    bitmask = torch.zeros((1, judge.words), dtype=torch.int32)
+    for entry in data["schemas"]:
+        builds = {"gramserve slices": (judge, judge.build(entry["schema"], "gramserve")),
+                  "general slices": (general, general.build(entry["schema"], "gramserve"))}
+        if not all(b.ok for _, b in builds.values()):
+            continue
+        for instance, _ in entry["instances"]:
+            tokens = [*judge.vocab.encode(instance_text(instance), add_special_tokens=False),
+                      judge.eos]
+            best = {}
+            for rep in range(2):
+                for name, (_, build) in builds.items():
+                    m, walk, ok = build.matcher, [], True
+                    m.reset()
+                    for token in tokens:
+                        start = time.perf_counter()
+                        m.fill_next_token_bitmask(bitmask, 0)
+                        walk.append(time.perf_counter() - start)
+                        if not m.accept_token(token):
+                            ok = False
+                            break
+                    if rep == 0:
+                        accepted[name] += ok and m.is_terminated()
+                    best[name] = [min(a, b) for a, b in zip(best.get(name, walk), walk, strict=True)]
+            for name in times:
+                times[name] += best[name]
+    print(f"{path.name}: {data.get('source', '')} {data.get('commit', '')}, vocabulary "
+          f"{judge.vocab.model_vocab_size} tokens, one thread; mask p50 / p90 / p99 / max us")
+    for name, values in times.items():
+        values.sort()
+        n = len(values)
+        q = " / ".join(f"{1e6 * values[min(n - 1, int(f * n))]:.1f}" for f in (.5, .9, .99, 1))
+        print(f"{name:<18} {q}   masks {n}, over 300 us {sum(v > 3e-4 for v in values)}, "
+              f"instances accepted {accepted[name]}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, default=None)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--corpus", type=Path, default=None,
+                        help="a bench/grammars.py --export-corpus file: all its masks instead")
     ns = parser.parse_args(argv)
     from grammar_service.default_model import ensure_default_model
     from grammar_service.vocab import load_vocab
@@ -82,16 +155,21 @@ def main(argv=None) -> int:
     else:
         model = ensure_default_model()
     judge = Judge(load_vocab(model))
+    general = Judge(_general_slices(load_vocab(model)))
+    if ns.corpus is not None:
+        return corpus(judge, general, ns.corpus)
     print(f"vocabulary {judge.vocab.model_vocab_size} tokens, one thread, {ns.reps} walks; "
-          "mask p50 / p99 / max us (slowest at token i of n)")
-    for name, (schema, options) in VARIANTS.items():
+          "mask p50 / p99 / max us (slowest at token i of n); llguidance with gramserve's "
+          "slices, then with its general slices alone")
+    for name, (schema, options, *value) in VARIANTS.items():
         row = f"{name:<34}"
-        for mode in ("xgrammar", "llguidance"):
-            build = judge.build(schema, mode, **options)
+        for mode, j in (("xgrammar", judge), ("llguidance", judge), ("general", general)):
+            build = j.build(schema, "llguidance" if mode == "general" else mode, **options)
             if not build.ok:
                 row += f"| {mode}: {build.error[:40]:<40}"
                 continue
-            instance = {"id": 7, "text": TEXT[:60] if "64" in name else TEXT}
+            instance = {"id": 7, "text": value[0] if value else
+                        TEXT[:60] if "64" in name else TEXT}
             text = (json.dumps(instance, separators=(",", ":")) if "compact" in name
                     else instance_text(instance))
             times, at, n = time_masks(judge, build, text, ns.reps)
