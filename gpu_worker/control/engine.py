@@ -67,6 +67,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from gpu_worker.control.lockstep import ControlChannel, diverged_rows
@@ -442,7 +443,8 @@ class Engine:
             req = entry.payload
             stops = self.eos | req.stop_token_ids
             if req.matcher is not None:
-                stops |= frozenset(req.matcher.stop_token_ids)
+                stops |= (req.grammar.stop_ids(req.matcher) if req.grammar is not None
+                          else frozenset(req.matcher.stop_token_ids))
             start = self.cfg.accept_first_max_backoff if self._refusal_rate > 0.5 else 0
             self.runs[entry.slot] = Run(entry, req, self.step_index, stops=stops,
                                         af_backoff=start, af_skip=start)
@@ -881,15 +883,14 @@ class Engine:
             return False
         row = self._end_row
         req.matcher.fill_next_token_bitmask(row, 0)
-        bits = row[0].tolist()
+        words = row[0].numpy().view(np.uint32)  # a view of the scratch row: no list
         for tok in r.stops:
             if tok < self.vocab_size:
-                bits[tok >> 5] &= ~(1 << (tok & 31))
+                words[tok >> 5] &= np.uint32(~(1 << (tok & 31)) & 0xFFFFFFFF)
         full, rest = divmod(self.vocab_size, 32)
-        if rest:
-            bits[full] &= (1 << rest) - 1
-            full += 1
-        return not any(bits[:full])
+        if rest and int(words[full]) & ((1 << rest) - 1):
+            return False
+        return not words[:full].any()
 
     def _output(self, req: Request) -> RowOutput:
         out = self._outputs.get(id(req))

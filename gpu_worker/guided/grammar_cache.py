@@ -49,7 +49,7 @@ class GrammarHandle:
 
     `backend` is the backend object that read it; `backend_name` its name."""
 
-    __slots__ = ("key", "backend", "compiled", "nbytes")
+    __slots__ = ("key", "backend", "compiled", "nbytes", "_stops")
 
     def __init__(self, key: str, backend, compiled, nbytes: int):
         self.key = key
@@ -58,6 +58,15 @@ class GrammarHandle:
         # what the cache's capacity counts: the serialized form's size, or the compiled
         # grammar's in memory when larger
         self.nbytes = nbytes
+        self._stops = None
+
+    def stop_ids(self, matcher) -> frozenset[int]:
+        """The stop token ids of the grammar's matchers made without options (`matcher` is
+        one), read once: xgrammar's come as a container that is slow to iterate, on the
+        engine's thread at every start."""
+        if self._stops is None:
+            self._stops = frozenset(int(t) for t in matcher.stop_token_ids)
+        return self._stops
 
     @property
     def backend_name(self) -> str:
