@@ -21,8 +21,8 @@ Two shortcuts do less work for exactly the same tokens (each can be turned off):
   the first forced token like any other, and the device notes that its masked logits had
   that one token left (the note travels with the token). After two forced tokens in a row
   the row's next job scans its fresh mask and follows the chain at once (accept, fill again)
-  while the grammar allows one token; a lone forced token costs no scan. Taken tokens are emitted at once and fed to the row's
-  next forward as one chunk. Rows whose last token was not forced pay for no scan. A row
+  while the grammar allows one token. Taken tokens are emitted at once and fed to the row's
+  next forward as one chunk. Rows without two forced tokens last pay for no scan. A row
   asking for unconstrained logprobs takes no forced tokens: they were never run through the
   model at their own positions, so it samples each one (the same token: the only one
   allowed).
@@ -771,9 +771,8 @@ class Engine:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
         bitmask rows, and follow the chain of forced tokens of the rows whose output ends
         with two or more (`Run.forced_run`; unless `forced` is False or the engine takes
-        none). A row asking
-        for unconstrained logprobs takes none (a budget of 0): it samples every token, so
-        each has the model's logits at its own position.
+        none). A row asking for unconstrained logprobs takes none (a budget of 0): it samples
+        every token, so each has the model's logits at its own position.
 
         A released slot's pending job may still write its row; its next tenant's job is
         submitted later and so runs later, and is waited for before that row is used."""
