@@ -230,7 +230,12 @@ def _check_schema(schema, field: str) -> None:
                               field=field) from None
     except RecursionError:
         raise InvalidArgument("not usable: schema nested too deeply", field=field) from None
-    _check_refs(schema, field, "")
+    found = _nonlocal_ref(schema)
+    if found is not None:
+        ref, path = found
+        where = ".".join(reversed(path)) or "(root)"
+        raise InvalidArgument(f"unsupported schema feature at {where}: $ref {ref!r} is not "
+                              "local (only '#/...' references work)", field=field)
 
 
 # The values the meta-schemas (draft 4 to 2020-12) give a `format`, which jsonschema-rs's
@@ -280,19 +285,26 @@ def _meta_valid_fast(schema: dict, cls) -> bool:
     return True
 
 
-def _check_refs(node, field: str, path: str) -> None:
-    """Only local `$ref`s ("#..."): xgrammar cannot fetch others and would ignore them."""
+def _nonlocal_ref(node) -> tuple[str, list[str]] | None:
+    """The first `$ref` that is not local ("#..."), with its path, innermost key first; None
+    when all are (xgrammar cannot fetch others and would ignore them). The path is built only
+    for the one found."""
     if isinstance(node, dict):
         ref = node.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
-            raise InvalidArgument(f"unsupported schema feature at {path or '(root)'}: $ref "
-                                  f"{ref!r} is not local (only '#/...' references work)",
-                                  field=field)
-        for key, value in node.items():
-            _check_refs(value, field, f"{path}.{key}" if path else key)
+            return ref, []
+        items = node.items()
     elif isinstance(node, list):
-        for i, value in enumerate(node):
-            _check_refs(value, field, f"{path}.{i}")
+        items = enumerate(node)
+    else:
+        return None
+    for key, value in items:
+        if isinstance(value, dict | list):
+            found = _nonlocal_ref(value)
+            if found is not None:
+                found[1].append(str(key))
+                return found
+    return None
 
 
 def _check_choices(choices: list[str], field: str, max_spec_bytes: int) -> list[str]:
