@@ -54,7 +54,12 @@ from dataclasses import dataclass, replace
 
 from grammar_service.backends import LLGUIDANCE, XGRAMMAR, BackendError
 from grammar_service.specs import canonical_json
-from grammar_service.unenforced import find_unenforced, llguidance_relaxed, llguidance_unenforced
+from grammar_service.unenforced import (
+    ALWAYS_UNENFORCED,
+    find_unenforced,
+    llguidance_relaxed,
+    llguidance_unenforced,
+)
 
 # Kinds whose auto choice does not depend on the spec, with the reason reported.
 _STATIC = {
@@ -104,18 +109,27 @@ def compile_spec(spec, backends: dict) -> Compiled:
     compiled, refusal = _llguidance(backends[LLGUIDANCE], spec)
     if compiled is not None and not compiled.unenforced:
         return compiled
+    if compiled is not None and any(path.rsplit(".", 1)[-1] in ALWAYS_UNENFORCED
+                                    for path in compiled.unenforced):
+        return _approximated(compiled, spec)  # xgrammar ignores one of them too: no walk
     unenforced = tuple(find_unenforced(json.loads(spec.text)))
     if compiled is not None and unenforced:  # both approximate; llguidance enforces more
-        if spec.options.strict:
-            raise StrictRefused("schema uses keywords no backend enforces: "
-                                f"{', '.join(compiled.unenforced)} (unset options.strict to "
-                                "accept an approximation)")
-        return compiled
+        return _approximated(compiled, spec)
     # xgrammar enforces it all (e.g. a format only it knows), or llguidance cannot compile it
     reason = f"auto: {_first_line(refusal)}; xgrammar compiles it"
     if unenforced:
         reason += f" without enforcing {', '.join(unenforced)}"
     return _with(backends[XGRAMMAR], spec, reason)
+
+
+def _approximated(compiled: Compiled, spec) -> Compiled:
+    """llguidance's lenient compile, when xgrammar would approximate the schema too; refused
+    with options.strict."""
+    if spec.options.strict:
+        raise StrictRefused("schema uses keywords no backend enforces: "
+                            f"{', '.join(compiled.unenforced)} (unset options.strict to "
+                            "accept an approximation)")
+    return compiled
 
 
 def _llguidance(backend, spec) -> tuple[Compiled | None, str]:

@@ -193,6 +193,9 @@ def _typeless(node: dict, keyword: str) -> bool:
     return not any(k in node for k in _INFERS.get(family, ()))
 
 _BY_KEYWORD = {entry.keyword: entry for entry in UNENFORCED}
+# Keywords xgrammar ignores wherever they stand: a schema using one anywhere is approximated
+# on xgrammar too, which its walk would only confirm.
+ALWAYS_UNENFORCED = frozenset(e.keyword for e in UNENFORCED if e.applies is _always)
 
 # Keywords whose value is one subschema / a map of subschemas / a list of subschemas.
 _ONE = ("not", "if", "then", "else", "contains", "additionalProperties", "propertyNames",
