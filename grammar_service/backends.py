@@ -51,6 +51,7 @@ from grammar_service.schema_fixes import (
     fix_schema,
     fix_schema_llguidance,
     forbid_unlisted_properties,
+    llguidance_fix_applies,
 )
 
 XGRAMMAR = "xgrammar"
@@ -308,8 +309,12 @@ def _llg_grammar(spec, lenient: bool = False) -> str:
 
     opts = spec.options
     if spec.kind in ("json_schema", "json_object"):
-        schema = (fix_schema_llguidance(json.loads(spec.text)) if spec.kind == "json_schema"
-                  else {"type": "object"})
+        if spec.kind == "json_schema":
+            schema = json.loads(spec.text)
+            if llguidance_fix_applies(spec.text):
+                schema = fix_schema_llguidance(schema)
+        else:
+            schema = {"type": "object"}
         if spec.kind == "json_schema" and opts.strict:
             # options.strict means the same on both backends: xgrammar's strict_mode.
             schema = forbid_unlisted_properties(schema)

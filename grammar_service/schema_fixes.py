@@ -33,6 +33,7 @@ and says nothing about other properties gets `additionalProperties: false`.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # Keys whose values are data, not subschemas.
@@ -65,6 +66,9 @@ FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$",
 # Keywords whose value is a count: 2.0 means 2.
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
            "minContains", "maxContains")
+_LLG_FIX_TEXT = re.compile(
+    rf'"(?:{"|".join(_COUNTS)})"\s*:\s*-?[0-9]+[.eE]'
+    rf'|"format"\s*:\s*"(?:{"|".join(FORMAT_PATTERNS)})"')
 
 
 def fix_schema(schema: Any) -> Any:
@@ -77,6 +81,13 @@ def fix_schema_llguidance(schema: Any) -> Any:
     """A copy of `schema` with the llguidance rewrites (integral bounds, exact date and time
     formats) applied at every depth (no state changed)."""
     return _map(schema, lambda node: _format_node(_integral_node(node)))
+
+
+def llguidance_fix_applies(text: str) -> bool:
+    """Whether `fix_schema_llguidance` can change the schema whose JSON `text` this is
+    (json.dumps output): only a count written with a fraction or exponent, or a date or time
+    format, can. False spares the walk, which copies every node."""
+    return _LLG_FIX_TEXT.search(text) is not None
 
 
 def _integral_node(node: dict) -> dict:

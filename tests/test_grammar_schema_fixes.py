@@ -5,6 +5,7 @@ exact patterns; under options.strict unlisted properties are forbidden for llgui
 xgrammar's strict mode does."""
 
 import json
+from pathlib import Path
 
 import pytest
 import xgrammar as xgr
@@ -16,7 +17,9 @@ from grammar_service.schema_fixes import (
     fix_schema,
     fix_schema_llguidance,
     forbid_unlisted_properties,
+    llguidance_fix_applies,
 )
+from grammar_service.specs import canonical_json
 from grammar_service.unenforced import find_unenforced
 from grammar_service.vocab import load_vocab
 
@@ -106,6 +109,26 @@ def test_date_and_time_formats_become_patterns_beside_any_pattern_already_there(
     assert fix_schema_llguidance({"format": "email"}) == {"format": "email"}
     assert fix_schema_llguidance({"enum": [{"format": "date"}]}) == {
         "enum": [{"format": "date"}]}  # data, not a schema
+
+
+def test_the_text_check_skips_the_llguidance_fix_only_where_it_changes_nothing():
+    # Every schema of the JSON Schema Test Suite and those above: where the text check says
+    # no, the fix gives the schema back unchanged; the fixes above are all found.
+    suite = Path(__file__).parent / "data" / "json_schema_test_suite"
+    schemas = [case["schema"] for path in sorted(suite.glob("*/*.json"))
+               for case in json.loads(path.read_text())]
+    changed = [{"type": "array", "maxItems": 2.0}, {"items": {"minLength": 1e0}},
+               {"type": "string", "format": "date"}, {"anyOf": [{"format": "date-time"}]},
+               {"properties": {"t": {"type": "string", "format": "time", "pattern": "^1"}}}]
+    for schema in changed:
+        assert llguidance_fix_applies(canonical_json(schema))
+        assert canonical_json(fix_schema_llguidance(schema)) != canonical_json(schema)
+    skipped = 0
+    for schema in schemas + [BOUNDED, {"format": "email"}, {"enum": [2.0]}]:
+        if not llguidance_fix_applies(canonical_json(schema)):
+            skipped += 1
+            assert canonical_json(fix_schema_llguidance(schema)) == canonical_json(schema)
+    assert skipped > len(schemas) * 0.9
 
 
 @pytest.mark.parametrize("fmt,text,ok", [
