@@ -309,15 +309,17 @@ def _llg_grammar(spec, lenient: bool = False) -> str:
 
     opts = spec.options
     if spec.kind in ("json_schema", "json_object"):
-        if spec.kind == "json_schema":
-            schema = json.loads(spec.text)
-            if llguidance_fix_applies(spec.text):
+        # The spec's own text unless a rewrite applies (no parse, no second dump).
+        text = spec.text if spec.kind == "json_schema" else '{"type":"object"}'
+        fix = spec.kind == "json_schema" and llguidance_fix_applies(text)
+        if fix or (spec.kind == "json_schema" and opts.strict):
+            schema = json.loads(text)
+            if fix:
                 schema = fix_schema_llguidance(schema)
-        else:
-            schema = {"type": "object"}
-        if spec.kind == "json_schema" and opts.strict:
-            # options.strict means the same on both backends: xgrammar's strict_mode.
-            schema = forbid_unlisted_properties(schema)
+            if opts.strict:
+                # options.strict means the same on both backends: xgrammar's strict_mode.
+                schema = forbid_unlisted_properties(schema)
+            text = json.dumps(schema)
         if opts.whitespace == "compact":
             ws = {"whitespace_flexible": False}
         elif opts.whitespace == "bounded":
@@ -329,7 +331,7 @@ def _llg_grammar(spec, lenient: bool = False) -> str:
             # Our options override any "x-guidance" the schema carries.
             if lenient:
                 ws["lenient"] = True
-            return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=ws)
+            return LLMatcher.grammar_from_json_schema(text, overrides=ws)
         except ValueError as exc:
             raise BackendError(str(exc), LLGUIDANCE) from None
     if spec.kind == "regex":
