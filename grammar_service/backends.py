@@ -72,6 +72,9 @@ RANK_SECONDS_PER_BYTE = 40e-9
 CACHE_SPEEDUP = 4.0
 # xgrammar's max_whitespace_cnt as an llguidance whitespace lexeme (JSON's four characters).
 _JSON_WS = r"[\x20\x0A\x0D\x09]"
+# llguidance's parser limit on Earley items per mask step (its default: 50,000); see
+# LLGuidanceBackend._ready.
+STEP_MAX_ITEMS = 200_000
 
 
 class BackendError(ValueError):
@@ -291,13 +294,18 @@ class LLGuidanceBackend:
                                LLGUIDANCE)
         if compiled.template is None:
             compiled.template = self._ready(compiled.grammar).template
-        return LLGuidanceMatcher(compiled.template.deep_copy(), self.eos,
+        return LLGuidanceMatcher(compiled.template, self.eos,
                                  (self.tokenizer.vocab_size + 31) // 32)
 
     def _ready(self, grammar: str) -> LLGuidanceGrammar:
         import llguidance
 
-        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        # Earley items per mask step: llguidance's default (50k) is hit mid-output by some
+        # real schemas at a 151k vocabulary (SchemaStore's tox: 4 ms masks inside a string
+        # of a wide anyOf), which leaves the matcher in an error state: a dead end for a
+        # valid output. 200k (about 10 ms of parsing at most) lets them through.
+        limits = llguidance.LLParserLimits(step_max_items=STEP_MAX_ITEMS)
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if template.is_error():
             raise BackendError(template.get_error(), LLGUIDANCE)
         return LLGuidanceGrammar(grammar, tuple(template.get_grammar_warnings()), template)
@@ -359,10 +367,11 @@ class LLGuidanceMatcher:
     thread-safe; one per (rank, slot, request) (I1).
     """
 
-    __slots__ = ("_m", "_eos", "_words", "_terminated")
+    __slots__ = ("_m", "_template", "_eos", "_words", "_terminated")
 
-    def __init__(self, matcher, eos: frozenset[int], words: int):
-        self._m = matcher
+    def __init__(self, template, eos: frozenset[int], words: int):
+        self._template = template  # the grammar's LLMatcher at its start, never advanced
+        self._m = template.deep_copy()
         self._eos = eos
         self._words = words
         self._terminated = False
@@ -431,8 +440,12 @@ class LLGuidanceMatcher:
         self._terminated = False
 
     def reset(self) -> None:
-        """Back to the grammar's start."""
-        self._m.reset()
+        """Back to the grammar's start, from an error state too (an LLMatcher's own reset
+        keeps its error: a parser limit hit, or a refused token consumed directly)."""
+        if self._m.is_error():
+            self._m = self._template.deep_copy()
+        else:
+            self._m.reset()
         self._terminated = False
 
 

@@ -133,6 +133,18 @@ def test_llguidance_matcher_refusal_leaves_its_state_and_rollback_undoes_eos(
     assert not m.is_terminated() and m.accept_token(digit)
 
 
+def test_llguidance_matcher_reset_leaves_an_error_state(backends, ranks, vocab):
+    # An LLMatcher in an error state (a parser limit hit, or a refused token consumed
+    # directly) keeps it through its own reset: ours starts again from the grammar.
+    m = round_trip(backends, ranks, schema_spec({"type": "integer"}), LLGUIDANCE)
+    (quote,) = vocab.encode('"', add_special_tokens=False)
+    assert not m.llmatcher.consume_token(quote) and m.llmatcher.is_error()
+    assert m.error()
+    m.reset()
+    assert not m.error()
+    assert accepts(m, vocab, "42")
+
+
 def test_llguidance_tokenizer_matches_the_vocabulary_xgrammar_uses(vocab):
     tok = vocab.llguidance_tokenizer()
     info = vocab.tokenizer_info()
