@@ -344,3 +344,27 @@ def test_drain_timeout_fails_running_rows_with_unavailable(model_dir):
     assert "drain timeout" in finish.message
     assert h.table.in_use() == 0 and not h.engine.runs
 
+
+
+@pytest.mark.parametrize("regex, text, only_end", [
+    ("ab", "ab", True),          # complete, nothing but a stop token may follow
+    ("ab(c)?", "ab", False),     # complete, and "c" may follow
+    ("abc", "ab", False),        # not complete
+])
+def test_the_can_only_end_check_reads_the_whole_mask_but_the_stop_ids(harness, regex, text,
+                                                                       only_end):
+    # A row whose grammar can only end now finishes without sampling the stop token. The
+    # check reads the row's whole bitmask but the row's stop ids: the grammar's, and a stop
+    # id of the request's own that the grammar allows ("c").
+    compiler = xgr.GrammarCompiler(harness.vocab.tokenizer_info(), max_threads=1)
+    grammar = compiler.compile_regex(regex)
+    eos = frozenset(harness.vocab.eos_token_ids)
+    (c,) = harness.vocab.encode("c", add_special_tokens=False)
+    for stops in (eos, eos | {c}):
+        matcher = xgr.GrammarMatcher(grammar)
+        for token in harness.vocab.encode(text, add_special_tokens=False):
+            assert matcher.accept_token(token)
+        row = dataclasses.make_dataclass("R", ["req", "stops"])(
+            dataclasses.make_dataclass("Q", ["matcher"])(matcher), stops)
+        expected = only_end or (regex == "ab(c)?" and c in stops)
+        assert harness.engine._can_only_end(row) is expected
