@@ -139,12 +139,14 @@ def _llguidance(backend, spec) -> tuple[Compiled | None, str]:
     enforced, as a strict compile would. (None, why) when it still refuses, or says something
     we cannot turn into a report; else (the compiled spec, its first warning)."""
     start = time.perf_counter()
-    schema, dropped = json.loads(spec.text), []
+    schema, dropped = None, []  # parsed only where a refusal or a warning needs it
     for _ in range(_MAX_RELAX):
         try:
             compiled = backend.compile(spec, lenient=True)
             break
         except BackendError as exc:
+            if schema is None:
+                schema = json.loads(spec.text)
             relaxed = llguidance_relaxed(schema, str(exc))
             if relaxed is None:
                 return None, str(exc)
@@ -154,6 +156,8 @@ def _llguidance(backend, spec) -> tuple[Compiled | None, str]:
     else:
         return None, "llguidance refuses it"
     seconds = time.perf_counter() - start
+    if schema is None and compiled.warnings:
+        schema = json.loads(spec.text)
     paths = llguidance_unenforced(schema, compiled.warnings)
     if paths is None:
         return None, "; ".join(compiled.warnings)

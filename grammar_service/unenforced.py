@@ -270,6 +270,8 @@ def llguidance_unenforced(schema, warnings) -> list[str] | None:
             keywords.update(("minProperties", "maxProperties"))
         else:
             return None
+    if not (keywords or formats):
+        return []  # no warning: nothing to look for, no walk
     paths = list(_walk_keywords(schema, "", keywords, formats))
     return paths if paths or not (keywords or formats) else None
 
