@@ -7,8 +7,9 @@ The rule for `backend: auto` (a client can force either backend with options.bac
   a `oneOf` it cannot prove disjoint becomes `anyOf` (as on xgrammar), and each is reported
   from its warnings (grammar_service.unenforced.llguidance_unenforced); a `pattern` its regex
   engine cannot parse (look-around, back-references) and an integer lower bound at or below
-  -2**63, which it refuses even then, are left out of the schema it compiles and reported the
-  same way (grammar_service.unenforced.llguidance_relaxed). No warning: it enforces every
+  -2**63, which it refuses even then, are relaxed in the schema it compiles (a regex widened
+  to what its engine parses, a bound left out) and reported the same way
+  (grammar_service.unenforced.llguidance_relaxed). No warning: it enforces every
   keyword, including what xgrammar approximates (`allOf`, length bounds next to a `pattern`,
   large length bounds). Everything else stays exact, which is more than xgrammar enforces,
   and it compiles far faster. xgrammar compiles the schema when it enforces every keyword
@@ -135,7 +136,7 @@ def _approximated(compiled: Compiled, spec) -> Compiled:
 def _llguidance(backend, spec) -> tuple[Compiled | None, str]:
     """The schema on llguidance, compiled once, leniently: what it cannot enforce is ignored
     (or, for oneOf, approximated) and reported from its warnings, and what it refuses even
-    then (`llguidance_relaxed`) is left out and reported; no warning means every keyword is
+    then is relaxed (`llguidance_relaxed`) and reported; no warning means every keyword is
     enforced, as a strict compile would. (None, why) when it still refuses, or says something
     we cannot turn into a report; else (the compiled spec, its first warning)."""
     start = time.perf_counter()
@@ -168,7 +169,7 @@ def _llguidance(backend, spec) -> tuple[Compiled | None, str]:
                         (), payload), ""
     notes = list(compiled.warnings)
     if dropped:
-        notes.append(f"refused even leniently, left out: {', '.join(dropped)}")
+        notes.append(f"refused even leniently, relaxed: {', '.join(dropped)}")
     reason = ("auto: llguidance enforces every keyword of this schema but those it reports "
               f"({'; '.join(notes)})")
     return Compiled(backend.name, _first_line(reason), tuple(paths), payload), notes[0]

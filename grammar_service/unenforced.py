@@ -297,19 +297,118 @@ def _walk_keywords(node, path: str, keywords: set[str], formats: set[str]) -> It
                 yield from _walk_keywords(sub, _join(path, f"{keyword}.{i}"), keywords, formats)
 
 
-# What llguidance (1.9.1) refuses even when lenient, and gramserve drops from the schema it
+# What llguidance (1.9.1) refuses even when lenient, and gramserve relaxes in the schema it
 # compiles (reporting the keyword unenforced) rather than falling back to xgrammar for the whole
 # schema: a regex its engine cannot parse (look-around, back-references) as a `pattern` or a
-# `patternProperties` name (the properties it would match then meet additionalProperties),
-# and an integer lower bound at or below -2**63 (its integer-range regex overflows there;
-# such bounds are int64's, written by schema generators).
+# `patternProperties` name, and an integer lower bound at or below -2**63 (its integer-range
+# regex overflows there; such bounds are int64's, written by schema generators). A regex is
+# replaced by `superset_regex`'s (what it matches, and more) where llguidance parses that, and
+# dropped otherwise; a bound is dropped. Either way the compiled schema accepts at least what
+# the keyword allowed: a `pattern` dropped allows any string, and a `patternProperties` name
+# widened lets more names take its subschema. (A name dropped would send the names it matched
+# to `additionalProperties`, which is usually `false`: valid objects refused.)
 _LLG_REGEX_ERROR = "regex parse error"
 _LLG_INT_RANGE = "Failed to generate regex for integer range"
 _LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+# What a back-reference is widened to: any text.
+_ANY_TEXT = "(?:[\\s\\S]*)"
+
+
+def superset_regex(regex: str) -> str | None:
+    """`regex` without the constructs llguidance's engine cannot parse, so that it matches
+    every string `regex` matches (searched, as JSON Schema does) and possibly more: look-around
+    groups are removed (an assertion only ever takes matches away), back-references (`\\1`,
+    `\\k<name>`, `(?P=name)`) match any text. None when there is nothing to remove or the
+    text is malformed (an unbalanced group)."""
+    out: list[str] = []
+    i, n, changed = 0, len(regex), False
+    in_class = False
+    while i < n:
+        c = regex[i]
+        if c == "\\" and i + 1 < n:
+            nxt = regex[i + 1]
+            if not in_class and nxt.isdigit() and nxt != "0":
+                j = i + 1
+                while j < n and regex[j].isdigit():
+                    j += 1
+                out.append(_ANY_TEXT)
+                i, changed = j, True
+                continue
+            if not in_class and nxt == "k" and i + 2 < n and regex[i + 2] in "<{'":
+                close = regex.find({"<": ">", "{": "}", "'": "'"}[regex[i + 2]], i + 3)
+                if close < 0:
+                    return None
+                out.append(_ANY_TEXT)
+                i, changed = close + 1, True
+                continue
+            out.append(regex[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            if c == "]":
+                in_class = False
+            out.append(c)
+            i += 1
+            continue
+        if c == "[":
+            in_class = True
+            out.append(c)
+            # a "]" (or "^]") right after the bracket is a member, not the end
+            j = i + 1
+            if j < n and regex[j] == "^":
+                out.append("^")
+                j += 1
+            if j < n and regex[j] == "]":
+                out.append("]")
+                j += 1
+            i = j
+            continue
+        if regex.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
+            end = _group_end(regex, i)
+            if end is None:
+                return None
+            i, changed = end, True
+            continue
+        if regex.startswith("(?P=", i):
+            close = regex.find(")", i)
+            if close < 0:
+                return None
+            out.append(_ANY_TEXT)
+            i, changed = close + 1, True
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out) if changed else None
+
+
+def _group_end(regex: str, start: int) -> int | None:
+    """The index after the group opening at `start` (escapes and classes skipped); None when
+    it never closes."""
+    depth, i, n, in_class = 0, start, len(regex), False
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if regex.startswith("^]", i + 1) or regex.startswith("]", i + 1):
+                i = regex.index("]", i + 1) + 1
+                continue
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
 
 
 def llguidance_relaxed(schema, error: str) -> tuple[dict, list[str]] | None:
-    """`schema` without the keywords llguidance's lenient compile `error` is about (see
+    """`schema` with the keywords llguidance's lenient compile `error` is about relaxed (see
     above), and their paths, for the caller to compile and report; None when the error is of
     another kind or names nothing found. Pure: `schema` is not changed."""
     if _LLG_REGEX_ERROR in error:
@@ -319,17 +418,21 @@ def llguidance_relaxed(schema, error: str) -> tuple[dict, list[str]] | None:
             return isinstance(regex, str) and _LLG_REGEX_ERROR in LLMatcher.validate_grammar(
                 LLMatcher.grammar_from_regex(regex))
 
-        def refused(keyword: str, value) -> bool:
-            return keyword == "pattern" and unparsable(value)
+        def wider(regex: str) -> str | None:
+            relaxed = superset_regex(regex)
+            return relaxed if relaxed is not None and not unparsable(relaxed) else None
 
-        def refused_name(keyword: str, name: str) -> bool:
-            return keyword == "patternProperties" and unparsable(name)
+        def refused(keyword: str, value):
+            return keyword == "pattern" and unparsable(value) and (wider(value) or _DROP)
+
+        def refused_name(keyword: str, name: str):
+            return keyword == "patternProperties" and unparsable(name) and (wider(name) or _DROP)
     elif _LLG_INT_RANGE in error:
-        def refused(keyword: str, value) -> bool:
+        def refused(keyword: str, value):
             return (keyword in _LOWER_BOUNDS and isinstance(value, int | float)
-                    and not isinstance(value, bool) and float(value) <= -2.0 ** 63)
+                    and not isinstance(value, bool) and float(value) <= -2.0 ** 63) and _DROP
 
-        def refused_name(keyword: str, name: str) -> bool:
+        def refused_name(keyword: str, name: str):
             return False
     else:
         return None
@@ -338,10 +441,16 @@ def llguidance_relaxed(schema, error: str) -> tuple[dict, list[str]] | None:
     return (relaxed, paths) if paths else None
 
 
-def _without(node, path: str, drop: Callable[[str, object], bool],
-             drop_name: Callable[[str, str], bool], paths: list[str]):
-    """A copy of `node` without the keywords `drop` picks and the map entries `drop_name`
-    picks, their paths appended to `paths` (the walk of `_walk_keywords`)."""
+# `_without`'s callbacks: falsy keeps the keyword or name, _DROP drops it, a string replaces
+# the value (a keyword's) or the name (a map entry's).
+_DROP = object()
+
+
+def _without(node, path: str, drop: Callable[[str, object], object],
+             drop_name: Callable[[str, str], object], paths: list[str]):
+    """A copy of `node` with the keywords `drop` picks and the map entries `drop_name` picks
+    dropped or replaced (see `_DROP`), their paths appended to `paths` (the walk of
+    `_walk_keywords`). A replaced name that is already in its map is dropped instead."""
     if isinstance(node, list):
         return [_without(sub, _join(path, str(i)), drop, drop_name, paths)
                 for i, sub in enumerate(node)]
@@ -349,19 +458,28 @@ def _without(node, path: str, drop: Callable[[str, object], bool],
         return node
     out = {}
     for keyword, value in node.items():
-        if drop(keyword, value):
+        verdict = drop(keyword, value)
+        if verdict:
             paths.append(_join(path, keyword))
+            if verdict is not _DROP:
+                out[keyword] = verdict
         elif keyword in ("enum", "const", "default", "examples") or not isinstance(
                 value, dict | list):
             out[keyword] = value
         elif isinstance(value, dict) and (keyword in _MAP or keyword == "dependencies"):
             out[keyword] = {}
+            renamed = {}
             for name, sub in value.items():
                 where = _join(path, f"{keyword}.{name}")
-                if drop_name(keyword, name):
+                verdict = drop_name(keyword, name)
+                if verdict:
                     paths.append(where)
+                    if verdict is not _DROP and verdict not in value:
+                        renamed[verdict] = _without(sub, where, drop, drop_name, paths)
                 else:
                     out[keyword][name] = _without(sub, where, drop, drop_name, paths)
+            for name, sub in renamed.items():
+                out[keyword].setdefault(name, sub)
         else:
             out[keyword] = _without(value, _join(path, keyword), drop, drop_name, paths)
     return out

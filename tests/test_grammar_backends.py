@@ -220,7 +220,7 @@ AUTO_CASES = {
                                               'but those it reports (Unimplemented keys: '
                                               '["not"])', ("not",)),
     "schema_llguidance_refuses_a_pattern": (dict(json_schema=json.dumps(LOOKAHEAD)),
-                                            LLGUIDANCE, "refused even leniently, left out: "
+                                            LLGUIDANCE, "refused even leniently, relaxed: "
                                             "pattern", ("pattern",)),
     "schema_only_xgrammar_enforces": (dict(json_schema=json.dumps(
         {"type": "string", "format": "uri-template"})), XGRAMMAR,
@@ -302,11 +302,13 @@ def test_llguidance_warnings_become_reported_paths_or_nothing_is_trusted(warning
     assert llguidance_unenforced(schema, warnings) == paths
 
 
-def test_what_llguidance_refuses_even_leniently_is_dropped_reported_and_the_rest_enforced(
+def test_what_llguidance_refuses_even_leniently_is_relaxed_reported_and_the_rest_enforced(
         backends, ranks, vocab):
     """A look-around pattern, a look-around patternProperties name and an int64 lower bound:
     llguidance refuses them even when lenient; auto compiles the rest on llguidance (not the
-    whole schema on xgrammar) and reports each dropped keyword."""
+    whole schema on xgrammar) and reports each relaxed keyword. The regexes are widened (the
+    look-around removed), so what they allowed is still accepted and the rest of them still
+    enforced."""
     schema = {"type": "object", "properties": {
         "id": {"type": "string", "pattern": "^(?!x)[a-z]+$"},
         "code": {"type": "string", "pattern": "^[a-z]{2}$"},
@@ -320,14 +322,53 @@ def test_what_llguidance_refuses_even_leniently_is_dropped_reported_and_the_rest
         "not", "properties.id.pattern", "properties.meta.patternProperties.^(?!_)\\w+$",
         "properties.n.minimum"]
     m = ranks[LLGUIDANCE].new_matcher(ranks[LLGUIDANCE].deserialize(compiled.payload))
-    assert accepts(m, vocab, '{"id": "xa", "code": "ab", "n": -5}')  # pattern dropped
+    assert accepts(m, vocab, '{"id": "xa", "code": "ab", "n": -5}')  # look-around removed
+    assert not accepts(m, vocab, '{"id": "a1", "code": "ab", "n": -5}')  # the rest: enforced
     assert not accepts(m, vocab, '{"id": "a", "code": "abc", "n": 1}')  # kept pattern: exact
     assert not accepts(m, vocab, '{"id": "a", "code": "ab", "n": 11}')  # kept maximum: exact
     assert not accepts(m, vocab, '{"id": 1, "code": "ab", "n": 1}')  # its type: exact
-    # the dropped name's properties now meet additionalProperties: false
-    assert not accepts(m, vocab, '{"id": "a", "code": "ab", "n": 1, "meta": {"k": 1}}')
+    # the names the pattern allowed still take its subschema (and no other value)...
+    assert accepts(m, vocab, '{"id": "a", "code": "ab", "n": 1, "meta": {"k": 1}}')
+    assert not accepts(m, vocab, '{"id": "a", "code": "ab", "n": 1, "meta": {"k": "v"}}')
+    # ... and so does a name only the widened pattern allows (reported above)
+    assert accepts(m, vocab, '{"id": "a", "code": "ab", "n": 1, "meta": {"_k": 1}}')
+    assert not accepts(m, vocab, '{"id": "a", "code": "ab", "n": 1, "meta": {"a-b": 1}}')
     with pytest.raises(StrictRefused, match="properties.id.pattern"):
         compile_spec(schema_spec(schema, strict=True), backends)
+
+
+@pytest.mark.parametrize("regex, wider", [
+    ("^(?!@@)[\\w@]+$", "^[\\w@]+$"),
+    ("^(?<=x)y(?<!z)$", "^y$"),
+    ("(?=(a|b))c", "c"),
+    ("(a)\\1", "(a)(?:[\\s\\S]*)"),
+    ("(?P<n>a)(?P=n)b", "(?P<n>a)(?:[\\s\\S]*)b"),
+    ("(?<n>a)\\k<n>", "(?<n>a)(?:[\\s\\S]*)"),
+    ("[]a(?=b)]c(?=d)", "[]a(?=b)]c"),  # inside a class, "(?=" is three characters
+    ("[(?=]x", None), ("\\(?=a)", None), ("abc", None), ("(?=a", None),
+])
+def test_superset_regex_removes_what_llguidance_cannot_parse(regex, wider):
+    from grammar_service.unenforced import superset_regex
+
+    assert superset_regex(regex) == wider
+
+
+def test_superset_regex_matches_everything_the_regex_matches():
+    """Searched as JSON Schema searches (re.search), every string the regex matches is
+    matched by its widened form, on strings chosen to hit each construct."""
+    import re
+
+    from grammar_service.unenforced import superset_regex
+
+    regexes = ["^(?!@@)[\\w@]+$", "^(?=.*[0-9])[a-z0-9]{3,}$", "(?<![a-z])id(?!_)",
+               "^(ab|cd)\\1$", "^(?P<q>['\"]).*(?P=q)$", "x(?=y)", "^(?!(?:a|b)$).+"]
+    strings = ["", "a", "b", "ab", "abab", "abcd", "cdcd", "@@x", "@x", "x_y", "id", "xid",
+               "id_", "a1b", "abc", "'q'", "'q\"", "xy", "xz", "a b", "0", "aa"]
+    for regex in regexes:
+        wide = re.compile(superset_regex(regex))
+        for text in strings:
+            if re.search(regex, text):
+                assert wide.search(text), (regex, text)
 
 
 def test_llguidance_relaxed_leaves_other_errors_and_the_schema_alone():
@@ -337,7 +378,8 @@ def test_llguidance_relaxed_leaves_other_errors_and_the_schema_alone():
               "enum": [{"pattern": "(?=x)"}]}
     before = json.dumps(schema)
     relaxed, paths = llguidance_relaxed(schema, "regex parse error:\n    (a)\\1")
-    assert paths == ["properties.a.pattern"] and "pattern" not in relaxed["properties"]["a"]
+    assert paths == ["properties.a.pattern"]
+    assert relaxed["properties"]["a"]["pattern"] == "(a)(?:[\\s\\S]*)"  # widened
     assert relaxed["enum"] == schema["enum"] and json.dumps(schema) == before
     assert llguidance_relaxed(schema, "Failed to generate regex for integer range: min=..."
                               )[1] == ["properties.pattern.minimum"]
