@@ -221,3 +221,70 @@ def test_the_device_flag_of_a_single_allowed_token_agrees_with_the_host_scan():
     logits = torch.randn((9, 1024))  # the model's padded vocabulary
     apply_token_bitmask_reference_(logits, rows, vocab_size=vocab)
     assert single_allowed(logits).tolist() == want
+
+
+def test_a_refused_row_is_sampled_one_sampling_point_later_and_no_row_waits_for_its_fill(
+        model_dir, monkeypatch):
+    """Random weights: an accept-first row's first unmasked token is refused. The step whose
+    commit refuses it samples its neighbours without waiting for its fill (here held back on
+    the fill thread until that step is over), and the row is sampled at the next sampling
+    point, masked, from its saved logits: the tokens of mask-first sampling. A lone refusal
+    leaves the row accept-first (no masked tokens after it)."""
+    import threading
+    import time
+
+    import gpu_worker.control.engine as engine_mod
+
+    harness = EngineHarness(model_dir, slots=8, forced_tokens=False, accept_first=True)
+    engine = harness.engine
+    constraints, _ = grammars(harness.vocab)
+    compiled = constraints[0][3]
+    release = threading.Event()
+    held = []
+
+    def prepare(masks, scan, jobs):  # the refused rows' own job waits for `release`
+        if any(engine.runs.get(j.slot) is not None and engine.runs[j.slot].redo is not None
+               for j in jobs):
+            held.append([j.slot for j in jobs])
+            release.wait(30)
+        return engine_mod_prepare(masks, scan, jobs)
+
+    engine_mod_prepare = engine_mod.prepare
+    monkeypatch.setattr(engine_mod, "prepare", prepare)
+
+    def request(i):  # rows 0-5 guided, 6-7 free text
+        req = Request(request_id=f"r{i}", prompt=harness.vocab.encode(f"row {i}"),
+                      max_tokens=12, temperature=1.0, seed=100 + i)
+        if i < 6:
+            req.matcher = xgr.GrammarMatcher(compiled)
+        return req
+
+    reqs = [request(i) for i in range(8)]
+    for req in reqs:
+        harness.table.allocate(req.request_id, req)
+    for _ in range(20):
+        start = time.monotonic()
+        engine.step()
+        if held:
+            break
+    assert held, "no accept-first token was refused"
+    assert time.monotonic() - start < 20  # the step did not wait for the held fill
+    refused = [engine.runs[s] for s in held[0]]
+    for r in refused:
+        assert r.redo is not None and r.pending == 0  # not sampled at this step
+        assert r.af_skip == 0  # a lone refusal: no mask-first tokens after it
+    assert all(r.pending for r in engine.runs.values() if r.redo is None)  # the others were
+    release.set()
+    engine.step()
+    for r in refused:
+        assert engine.runs.get(r.slot) is not r or (r.redo is None and r.pending == 1)
+    for _ in range(500):  # to the end: the tokens of mask-first sampling
+        if not engine.runs:
+            break
+        engine.step()
+    tokens: dict[str, list[int]] = {}
+    for out in harness._outputs:
+        tokens.setdefault(out.req.request_id, []).extend(out.tokens)
+    plain = EngineHarness(model_dir, slots=8, forced_tokens=False, accept_first=False)
+    again = plain.run([request(i) for i in range(8)])
+    assert tokens == {rid: outcome.tokens for rid, outcome in again.items()}

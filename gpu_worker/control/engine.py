@@ -31,18 +31,21 @@ Two shortcuts do less work for exactly the same tokens (each can be turned off):
   argmax over the allowed tokens: the token mask-first sampling gives. Rows sampled greedily
   or with temperature only (no top-k/top-p/min-p, no logprobs, past min_tokens) sample
   unmasked and need no mask fill. Their token is checked when it is accepted, at the commit;
-  a refused row is sampled again at the next sampling point, from the logits saved at its
-  first try, masked (its fill joins the step's batch, every word written, I4), with the same
-  noise (the same token index) and the same sampler path: the token mask-first sampling
-  gives. The row's input of the forward already launched is rewritten at its next feed (that
-  row loses one step). A row backs off after a refusal:
-  it samples mask-first for 1, 3, 7, ... up to `accept_first_max_backoff` tokens, and an
-  acceptance halves its backoff. The engine keeps a moving average of the refusal rate over
-  all tries; while it is above one half (a model that does not follow the grammar), a new
-  row starts fully backed off. So such a model costs about what mask-first costs, and one
-  that follows the grammar keeps nearly every row accept-first. A row's mode is decided when
-  its previous token is accepted (its mask fill starts then, or never). (Every rank sees the
-  same acceptances in the same order, so every rank makes the same choices.)
+  a refused row is sampled again one sampling point later (not at the next), from the logits
+  saved at its first try, masked (every word of its row written, I4), with the same noise
+  (the same token index) and the same sampler path: the token mask-first sampling gives. Its
+  fill runs in a job of its own during the forward between, so no other row waits for it, and
+  every rank samples it at the same step (the rule does not depend on timing). The row's
+  input of the forward already launched is rewritten at its next feed, and it sits out the
+  forward between: it loses one step, the batch none. A row refused twice before an
+  acceptance backs off: it samples mask-first for 3, 7, ... up to `accept_first_max_backoff`
+  tokens, and an acceptance halves its backoff. The engine keeps a moving average of the
+  refusal rate over all tries; while it is above one half (a model that does not follow the
+  grammar), a new row starts fully backed off. So such a model costs about what mask-first
+  costs, and one that follows the grammar keeps nearly every row accept-first. A row's mode
+  is decided when its previous token is accepted (its mask fill starts then, or never).
+  (Every rank sees the same acceptances in the same order, so every rank makes the same
+  choices.)
 
 Drain (SIGTERM): `drain()` asks this rank's group to start nothing more and to end once its
 running rows finish, within `drain_timeout_s`. The request travels in the control all-reduce
@@ -317,7 +320,10 @@ class Engine:
                                 fill_threads=cfg.mask_fill_threads or "auto")
         self.scan = ForcedScan(vocab_size, self.masks.width) if cfg.forced_tokens else None
         self.stats: Counter[str] = Counter()
-        self._redo: list[Run] = []  # refused at the commit: sampled again at the next sampling
+        # Refused accept-first rows: those of the last commit (`_redo_next`) are sampled again
+        # one sampling point later (`_redo`), when their fill has had a forward's time to run.
+        self._redo: list[Run] = []
+        self._redo_next: list[Run] = []
         self._refusal_rate = 0.0  # moving average over accept-first tries (1 = refused)
         # One bitmask row on the host for the "can the grammar only end here?" check.
         self._end_row = torch.empty((1, self.masks.width), dtype=torch.int32)
@@ -371,7 +377,7 @@ class Engine:
             self.failed = exc
             log.error("engine stopped: %s", exc, exc_info=not isinstance(exc, RuntimeError))
             self.table.abort_step()
-            self._inflight, self._redo = None, []
+            self._inflight, self._redo, self._redo_next = None, [], []
             # Library errors (gloo's lost peer) name their C++ source files: not for clients.
             self._fail_all(UNAVAILABLE, public_message(f"worker rank failed: {exc}"))
             self._flush()
@@ -401,14 +407,19 @@ class Engine:
                 inflight, self._inflight = self._inflight, None
                 ahead = self._commit(inflight, t)
             # The next fills, one job while the forward runs: rows that go on after the
-            # commit, rows that took forced tokens at the last sampling point.
-            self._submit(ahead + [r for r in self.runs.values() if r.chained])
-            if seqs or self._redo:
+            # commit, rows that took forced tokens at the last sampling point. Then, in a job
+            # of their own, the rows the commit refused: the thread runs jobs in order, and
+            # they are needed only at the next sampling point.
+            self._submit([r for r in ahead if r.redo is None]
+                         + [r for r in self.runs.values() if r.chained])
+            self._submit([r for r in ahead if r.redo is not None])
+            if seqs or self._redo or self._redo_next:
                 self._inflight = self._sample(seqs, logits, t)
             if seqs:
                 self._record(seqs, t, time.perf_counter() - t0)
         self._flush()
-        if self.draining and not self.runs and self._inflight is None and not self._redo:
+        if (self.draining and not self.runs and self._inflight is None and not self._redo
+                and not self._redo_next):
             self._end_drain(timed_out=False)
 
     def _lockstep(self) -> bool:
@@ -458,7 +469,7 @@ class Engine:
         gateways admit them elsewhere)."""
         if timed_out:
             log.warning("drain timeout: failing %d running requests", len(self.runs))
-            self._inflight, self._redo = None, []
+            self._inflight, self._redo, self._redo_next = None, [], []
         self._fail_all(UNAVAILABLE, f"the worker group shut down: its drain timeout "
                                     f"({self.cfg.drain_timeout_s:g} s) passed before this "
                                     "request finished")
@@ -508,8 +519,11 @@ class Engine:
         acceptance."""
         self._refusal_rate += (float(refused) - self._refusal_rate) / 32
         if refused:
+            # A lone refusal costs the row one step and the batch nothing (`_refused`): the
+            # row stays accept-first. Refused again before an acceptance: mask-first for 3,
+            # 7, ... tokens.
             r.af_backoff = min(2 * r.af_backoff + 1, self.cfg.accept_first_max_backoff)
-            r.af_skip = r.af_backoff
+            r.af_skip = r.af_backoff if r.af_backoff > 1 else 0
         else:
             r.af_backoff //= 2
 
@@ -556,11 +570,15 @@ class Engine:
         """Mask and sample the step's sampling rows on the device; start the copy of their
         tokens to the host. First the rows' fill-thread jobs are waited for and their forced
         chains taken: a row with a chain does not sample now. Rows that ended while the
-        forward ran are left out. Rows whose accept-first token the last commit refused are
-        sampled too, from their saved logits (`Run.redo`), after the step's own rows."""
-        live = [s.run for s in seqs if s.samples and self.runs.get(s.run.slot) is s.run]
+        forward ran are left out. Rows whose accept-first token the commit before last refused
+        are sampled too, from their saved logits (`Run.redo`), after the step's own rows; those
+        the last commit refused wait for the next sampling point (their fills run meanwhile,
+        off the critical path), whatever the timing, so every rank samples them at the same
+        step (I2/I3)."""
+        live = [s.run for s in seqs if s.samples and self.runs.get(s.run.slot) is s.run
+                and s.run.redo is None]
         redo = [r for r in self._redo if self.runs.get(r.slot) is r]
-        self._redo = []
+        self._redo, self._redo_next = self._redo_next, []
         t_wait = time.perf_counter()
         t["mask_fill"] = self._wait_jobs([r.job for r in live + redo])
         t_mask = time.perf_counter()
@@ -754,10 +772,11 @@ class Engine:
 
     def _refused(self, r: Run, inflight: _InFlight, j: int) -> None:
         """Row j's accept-first token was refused by its grammar: back off, and sample it
-        again at the next sampling point, masked, from the logits saved at its try, with the
-        same noise (same seed and token index) and sampler path: the token mask-first
-        sampling gives. Its input in the forward already launched is rewritten at its next
-        feed."""
+        again one sampling point later (its fill is submitted now, in a job of its own),
+        masked, from the logits saved at its try, with the same noise (same seed and token
+        index) and sampler path: the token mask-first sampling gives. Its input in the
+        forward already launched is rewritten at its next feed; it sits out the forward
+        between (it has no new token), so the row loses one step and the batch none."""
         self.stats["resamples"] += 1
         if self.metrics is not None:
             self.metrics.resamples.inc()
@@ -765,7 +784,8 @@ class Engine:
         if r.fed > len(r.generated):
             r.fed -= 1
         r.redo = (inflight.saved, j, inflight.flags)
-        self._redo.append(r)
+        r.af_next = False  # the token is sampled again masked, whatever the backoff says
+        self._redo_next.append(r)
 
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
