@@ -251,6 +251,13 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     return index
 
 
+def _flags(rows: list[Run]) -> SamplingFlags:
+    """The sampling flags of a batch of `rows` (what SamplingBatch.from_lists computes)."""
+    reqs = [r.req for r in rows]
+    return SamplingFlags.of([q.temperature for q in reqs], [q.top_k for q in reqs],
+                            [q.top_p for q in reqs], [q.min_p for q in reqs])
+
+
 def _logprob_rows(inflight: _InFlight) -> dict[int, tuple[float, list[int], list[float]]]:
     """Row index -> (logprob, top ids, top logprobs) of a committed step; top entries that
     the mask left impossible (fewer allowed tokens than asked) are dropped."""
@@ -638,17 +645,24 @@ class Engine:
         n = len(rows) - len(redo)
         flags = None
         picked = []
-        if n:
-            batch = self._sampling_batch(rows[:n])
+        if n and redo and _flags(rows[:n]) == redo[0].redo[2]:
+            # The step's rows take the path the refused rows took at their first try: one
+            # call (redo rows are temperature-only, so the flags of all rows are these too).
+            batch = self._sampling_batch(rows)
             flags = batch.flags
-            picked.append(sample(logits[:n], batch))
-        if redo:
-            # The sampler path of their first try (the fused and the PyTorch path may differ
-            # in the last bit of the noise).
-            picked.append(sample(logits[n:], replace(self._sampling_batch(redo),
-                                                     flags=redo[0].redo[2])))
-            for r in redo:
-                r.redo = None
+            picked.append(sample(logits, batch))
+        else:
+            if n:
+                batch = self._sampling_batch(rows[:n])
+                flags = batch.flags
+                picked.append(sample(logits[:n], batch))
+            if redo:
+                # The sampler path of their first try (the fused and the PyTorch path may
+                # differ in the last bit of the noise).
+                picked.append(sample(logits[n:], replace(self._sampling_batch(redo),
+                                                         flags=redo[0].redo[2])))
+        for r in redo:
+            r.redo = None
         tokens, dead = picked[0] if len(picked) == 1 else map(torch.cat, zip(*picked, strict=True))
         # A NaN or +inf logit among the tokens a row may take is the model's failure, not
         # the grammar's: such a row is -2, a row with nothing allowed (a dead end) -1.
@@ -886,8 +900,10 @@ class Engine:
             out.tokens.append(token)
             if logprob is not None:
                 out.logprobs.append(logprob)
+        # A matcher terminates only by accepting a stop token (xgrammar's default; our
+        # llguidance matcher records it the same way).
         if req.matcher is not None and grammar_ends and (
-                req.matcher.is_terminated() or self._can_only_end(r)):
+                (token in r.stops and req.matcher.is_terminated()) or self._can_only_end(r)):
             return self._finish(r, GRAMMAR_COMPLETED)
         if ends:  # a guided row only samples a stop id where its grammar allows one
             return self._finish(r, STOP)

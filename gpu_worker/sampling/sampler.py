@@ -32,6 +32,12 @@ class SamplingFlags:
     any_top_p: bool
     any_min_p: bool
 
+    @classmethod
+    def of(cls, temperature, top_k, top_p, min_p) -> SamplingFlags:
+        """The flags of a batch with these per-row values (sequences)."""
+        return cls(all(t == 0 for t in temperature), any(k > 0 for k in top_k),
+                   any(p < 1 for p in top_p), any(p > 0 for p in min_p))
+
 
 @dataclass(frozen=True)
 class SamplingBatch:
@@ -99,8 +105,7 @@ class SamplingBatch:
                                ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")):
             if not all(ok(v) for v in columns[name]):
                 raise ValueError(f"{name}: every value must be {rule}")
-        flags = SamplingFlags(all(t == 0 for t in temperature), any(k > 0 for k in top_k),
-                              any(p < 1 for p in top_p), any(p > 0 for p in min_p))
+        flags = SamplingFlags.of(temperature, top_k, top_p, min_p)
         # Two packed host tensors (pinned for a GPU, from PyTorch's caching host allocator),
         # so a step costs two non-blocking copies instead of six pageable ones.
         floats = torch.tensor([list(temperature), list(top_p), list(min_p)], dtype=torch.float32)
