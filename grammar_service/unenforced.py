@@ -318,8 +318,8 @@ def superset_regex(regex: str) -> str | None:
     """`regex` without the constructs llguidance's engine cannot parse, so that it matches
     every string `regex` matches (searched, as JSON Schema does) and possibly more: look-around
     groups are removed (an assertion only ever takes matches away), back-references (`\\1`,
-    `\\k<name>`, `(?P=name)`) match any text. None when there is nothing to remove or the
-    text is malformed (an unbalanced group)."""
+    `\\k<name>`, `(?P=name)`) match any text. None when there is nothing to remove, the
+    text is malformed (an unbalanced group) or an assertion is quantified."""
     out: list[str] = []
     i, n, changed = 0, len(regex), False
     in_class = False
@@ -365,8 +365,8 @@ def superset_regex(regex: str) -> str | None:
             continue
         if regex.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
             end = _group_end(regex, i)
-            if end is None:
-                return None
+            if end is None or regex[end:end + 1] in ("*", "+", "?", "{"):
+                return None  # a quantified assertion: removing it would move the quantifier
             i, changed = end, True
             continue
         if regex.startswith("(?P=", i):

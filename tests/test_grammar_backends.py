@@ -346,6 +346,7 @@ def test_what_llguidance_refuses_even_leniently_is_relaxed_reported_and_the_rest
     ("(?<n>a)\\k<n>", "(?<n>a)(?:[\\s\\S]*)"),
     ("[]a(?=b)]c(?=d)", "[]a(?=b)]c"),  # inside a class, "(?=" is three characters
     ("[(?=]x", None), ("\\(?=a)", None), ("abc", None), ("(?=a", None),
+    ("x(?=a){2}", None), ("x(?!a)*", None),  # quantified: x{2} would not match "xa"
 ])
 def test_superset_regex_removes_what_llguidance_cannot_parse(regex, wider):
     from grammar_service.unenforced import superset_regex
