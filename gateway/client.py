@@ -57,16 +57,19 @@ class GramserveError(Exception):
 @dataclass(frozen=True)
 class JsonSchema:
     """Output must be an instance of `schema` (a dict or JSON text). `strict` refuses schemas
-    with keywords the grammar cannot enforce."""
+    with keywords the grammar cannot enforce; `fixed_property_order` keeps every object's
+    properties in the schema's order (else any order JSON Schema allows)."""
 
     schema: Mapping[str, Any] | str
     whitespace: Whitespace = "bounded"
     strict: bool = False
+    fixed_property_order: bool = False
 
     def to_proto(self) -> common_pb2.GrammarSpec:
         text = self.schema if isinstance(self.schema, str) else json.dumps(self.schema)
-        return common_pb2.GrammarSpec(json_schema=text, options=_options(self.whitespace,
-                                                                         self.strict))
+        options = _options(self.whitespace, self.strict)
+        options.fixed_property_order = self.fixed_property_order
+        return common_pb2.GrammarSpec(json_schema=text, options=options)
 
 
 @dataclass(frozen=True)

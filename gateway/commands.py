@@ -47,6 +47,8 @@ def add_constraint_args(p: argparse.ArgumentParser) -> None:
                    help="whitespace between JSON tokens (default bounded)")
     p.add_argument("--strict", action="store_true",
                    help="refuse schemas with keywords the grammar does not enforce")
+    p.add_argument("--fixed-property-order", action="store_true",
+                   help="JSON schema: properties in the schema's order (default: any order)")
 
 
 # Largest constraint file read (the gateway refuses larger requests anyway); a bound also
@@ -75,7 +77,8 @@ def constraint_from_args(ns: argparse.Namespace) -> common_pb2.GrammarSpec:
     """The GrammarSpec the constraint flags describe (no kind set when none was given).
     ValueError naming the flag when a file cannot be read."""
     spec = common_pb2.GrammarSpec(options=common_pb2.GrammarOptions(
-        whitespace=_WHITESPACE[ns.whitespace], strict=ns.strict))
+        whitespace=_WHITESPACE[ns.whitespace], strict=ns.strict,
+        fixed_property_order=ns.fixed_property_order))
     if ns.json_schema:
         spec.json_schema = read_arg_file(ns.json_schema, "--json-schema")
     elif ns.regex is not None:

@@ -13,7 +13,9 @@ Supported, beyond the plain sampling fields:
 - `structured_outputs` (extension, in the style of vLLM's): exactly one of `json` (a schema),
   `regex`, `grammar` (EBNF, xgrammar dialect), `choice` (list of strings), `json_object`
   (true), `structural_tag` (object or JSON text); plus `whitespace`
-  (`bounded` | `compact` | `any`) for the JSON kinds.
+  (`bounded` | `compact` | `any`) for the JSON kinds, and `property_order` for a JSON
+  schema from any source: `"schema"` (the default here, as OpenAI's Structured Outputs
+  write keys in the schema's order → GrammarOptions.fixed_property_order) or `"any"`.
 - `tools` with `tool_choice` `"required"` or `{"type": "function", "function": {"name"}}`:
   the output is the call's arguments under the function's `parameters` schema (one
   candidate function), or, with several candidates, `{"name": ..., "arguments": ...}` under
@@ -289,10 +291,11 @@ def _constraint(body: dict, plan: Plan, endpoint: str,
         ("tools", bool(tools) and body.get("tool_choice") != "none")) if present]
     if len(sources) > 1:
         raise bad(sources[1], f"only one constraint per request; {sources[0]} is set too")
-    unknown = set(so) - set(_STRUCTURED_KINDS) - {"whitespace"}
+    unknown = set(so) - set(_STRUCTURED_KINDS) - {"whitespace", "property_order"}
     if unknown:
         raise bad("structured_outputs", f"unknown field(s) {', '.join(sorted(unknown))}; "
-                                        f"known: {', '.join(_STRUCTURED_KINDS)}, whitespace")
+                                        f"known: {', '.join(_STRUCTURED_KINDS)}, whitespace, "
+                                        "property_order")
     if rf is not None:
         _response_format(rf, spec, plan)
     if so:
@@ -301,7 +304,23 @@ def _constraint(body: dict, plan: Plan, endpoint: str,
         _tools(body, tools, spec, plan, chat_template)
     if plan.tool is None or plan.tool.format is None:  # "auto" bounds it inside the tag
         _whitespace(spec.options, so, plan)
+    _property_order(spec, so, plan)
     return spec
+
+
+def _property_order(spec: common_pb2.GrammarSpec, so: dict, plan: Plan) -> None:
+    """OpenAI's Structured Outputs write an object's keys in the schema's order, so a JSON
+    schema here keeps it (GrammarOptions.fixed_property_order) unless the request asks for
+    `structured_outputs.property_order: "any"` (JSON Schema's meaning)."""
+    order = so.get("property_order", "schema")
+    if order not in ("schema", "any"):
+        raise bad("structured_outputs.property_order", 'must be "schema" or "any"')
+    if "property_order" in so and spec.WhichOneof("kind") != "json_schema":
+        raise bad("structured_outputs.property_order", "applies only to a JSON schema")
+    if spec.WhichOneof("kind") == "json_schema":
+        spec.options.fixed_property_order = order == "schema"
+        if "property_order" in so:
+            plan.params["constraint.options"] = "structured_outputs.property_order"
 
 
 def _response_format(rf: dict, spec: common_pb2.GrammarSpec, plan: Plan) -> None:

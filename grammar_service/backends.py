@@ -47,6 +47,7 @@ from typing import Protocol
 
 import xgrammar as xgr
 
+from grammar_service.property_order import any_order_grammar, whitespace_regex
 from grammar_service.schema_fixes import (
     fix_schema,
     fix_schema_llguidance,
@@ -261,6 +262,12 @@ class LLGuidanceBackend:
 
         grammar = _llg_grammar(spec, lenient)
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if failed and _is_lark(grammar) and spec.kind == "json_schema":
+            # The any-order rewrite failed where the schema as it is may not (an embedded
+            # node llguidance refuses on its own, e.g. unsatisfiable where its compile of the
+            # whole schema drops it): the schema's own grammar, order fixed.
+            grammar = _llg_grammar(spec, lenient, any_order=False)
+            failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:
             raise BackendError(messages[0] if messages else "llguidance refuses the grammar",
                                LLGUIDANCE)
@@ -311,7 +318,13 @@ class LLGuidanceBackend:
         return LLGuidanceGrammar(grammar, tuple(template.get_grammar_warnings()), template)
 
 
-def _llg_grammar(spec, lenient: bool = False) -> str:
+def _is_lark(grammar: str) -> bool:
+    """Whether an llguidance grammar is Lark text (`grammar_from_lark` returns it as it is;
+    the other forms are JSON objects)."""
+    return not grammar.startswith("{")
+
+
+def _llg_grammar(spec, lenient: bool = False, any_order: bool = True) -> str:
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
@@ -320,7 +333,9 @@ def _llg_grammar(spec, lenient: bool = False) -> str:
         # The spec's own text unless a rewrite applies (no parse, no second dump).
         text = spec.text if spec.kind == "json_schema" else '{"type":"object"}'
         fix = spec.kind == "json_schema" and llguidance_fix_applies(text)
-        if fix or (spec.kind == "json_schema" and opts.strict):
+        any_order = any_order and spec.kind == "json_schema" and not opts.fixed_order
+        schema = None
+        if fix or any_order or (spec.kind == "json_schema" and opts.strict):
             schema = json.loads(text)
             if fix:
                 schema = fix_schema_llguidance(schema)
@@ -335,10 +350,18 @@ def _llg_grammar(spec, lenient: bool = False) -> str:
                   "whitespace_pattern": f"{_JSON_WS}{{0,{opts.max_whitespace}}}"}
         else:
             ws = {"whitespace_flexible": True}
+        # Our options override any "x-guidance" the schema carries.
+        if lenient:
+            ws["lenient"] = True
+        if any_order:
+            lark = any_order_grammar(schema, ws, whitespace_regex(opts.whitespace,
+                                                                  opts.max_whitespace), text)
+            if lark is not None:
+                try:
+                    return LLMatcher.grammar_from_lark(lark)
+                except ValueError:
+                    pass  # not expected; the schema as it is still compiles (fixed order)
         try:
-            # Our options override any "x-guidance" the schema carries.
-            if lenient:
-                ws["lenient"] = True
             return LLMatcher.grammar_from_json_schema(text, overrides=ws)
         except ValueError as exc:
             raise BackendError(str(exc), LLGUIDANCE) from None

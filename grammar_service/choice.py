@@ -17,8 +17,8 @@ The rule for `backend: auto` (a client can force either backend with options.bac
   it at all (or a warning is not understood), its unenforced keywords reported
   (grammar_service.unenforced). With options.strict a schema with anything
   unenforced is refused.
-  Property order is fixed on both backends: the listed properties in the schema's order,
-  then any unlisted ones.
+  Properties come in any order on llguidance where grammar_service.property_order can say
+  so exactly (options.fixed_order: the schema's order); xgrammar fixes the order.
 - json_object: llguidance (both exact; llguidance is faster to build and to mask).
 - regex, choice: xgrammar (both exact; xgrammar is faster for the small grammars these are).
 - ebnf (xgrammar's dialect), structural_tag: xgrammar, whose formats they are.

@@ -62,12 +62,15 @@ class GrammarOptions:
         Off: JSON Schema's meaning, unlisted properties allowed unless the schema says
         `additionalProperties: false`.
     backend: "auto", "xgrammar" or "llguidance" (every kind).
+    fixed_order: json_schema only; properties in the schema's order (else any order where
+        the grammar can say so: grammar_service.property_order).
     """
 
     whitespace: str = "bounded"
     max_whitespace: int = 0
     strict: bool = False
     backend: str = "auto"
+    fixed_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,9 +182,10 @@ def _parse_options(opts: common_pb2.GrammarOptions, kind: str, field: str) -> Gr
             raise InvalidArgument(f"whitespace options apply only to {' and '.join(JSON_KINDS)}, "
                                   f"not {kind}", field=f"{field}.whitespace")
     if kind != "json_schema":
-        if opts.strict:
-            raise InvalidArgument(f"applies only to json_schema, not {kind}",
-                                  field=f"{field}.strict")
+        for name in ("strict", "fixed_property_order"):
+            if getattr(opts, name):
+                raise InvalidArgument(f"applies only to json_schema, not {kind}",
+                                      field=f"{field}.{name}")
     if kind not in JSON_KINDS:
         return GrammarOptions(backend=backend)
     max_ws = 0
@@ -194,7 +198,7 @@ def _parse_options(opts: common_pb2.GrammarOptions, kind: str, field: str) -> Gr
     elif opts.max_whitespace:
         raise InvalidArgument("applies only with WHITESPACE_BOUNDED",
                               field=f"{field}.max_whitespace")
-    return GrammarOptions(whitespace, max_ws, opts.strict, backend)
+    return GrammarOptions(whitespace, max_ws, opts.strict, backend, opts.fixed_property_order)
 
 
 def _check_size(text: str, field: str, max_spec_bytes: int) -> None:

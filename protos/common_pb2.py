@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0cgramserve.v1\"\xb6\x01\n\x0eGrammarOptions\x12,\n\nwhitespace\x18\x01 \x01(\x0e\x32\x18.gramserve.v1.Whitespace\x12\x16\n\x0emax_whitespace\x18\x02 \x01(\r\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x12-\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32\x1c.gramserve.v1.GrammarBackendJ\x04\x08\x04\x10\x05R\x19\x61llow_unlisted_properties\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x0c\n\nJsonObject\"\x83\x02\n\x0bGrammarSpec\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.gramserve.v1.ChoiceListH\x00\x12/\n\x0bjson_object\x18\x05 \x01(\x0b\x32\x18.gramserve.v1.JsonObjectH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x07 \x01(\tH\x00\x12-\n\x07options\x18\n \x01(\x0b\x32\x1c.gramserve.v1.GrammarOptionsB\x06\n\x04kind\"\x87\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12\x31\n\rlogprobs_mode\x18\x0e \x01(\x0e\x32\x1a.gramserve.v1.LogprobsModeB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r*P\n\nWhitespace\x12\x16\n\x12WHITESPACE_BOUNDED\x10\x00\x12\x16\n\x12WHITESPACE_COMPACT\x10\x01\x12\x12\n\x0eWHITESPACE_ANY\x10\x02*h\n\x0eGrammarBackend\x12\x18\n\x14GRAMMAR_BACKEND_AUTO\x10\x00\x12\x1c\n\x18GRAMMAR_BACKEND_XGRAMMAR\x10\x01\x12\x1e\n\x1aGRAMMAR_BACKEND_LLGUIDANCE\x10\x02*N\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_CONSTRAINED\x10\x00\x12\x1f\n\x1bLOGPROBS_MODE_UNCONSTRAINED\x10\x01*\xa8\x02\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12#\n\x1f\x46INISH_REASON_GRAMMAR_COMPLETED\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x05\x12 \n\x1c\x46INISH_REASON_ERROR_DEAD_END\x10\x06\x12\"\n\x1e\x46INISH_REASON_ERROR_DIVERGENCE\x10\x07\x12 \n\x1c\x46INISH_REASON_ERROR_INTERNAL\x10\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x0cgramserve.v1\"\xd4\x01\n\x0eGrammarOptions\x12,\n\nwhitespace\x18\x01 \x01(\x0e\x32\x18.gramserve.v1.Whitespace\x12\x16\n\x0emax_whitespace\x18\x02 \x01(\r\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x12-\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32\x1c.gramserve.v1.GrammarBackend\x12\x1c\n\x14\x66ixed_property_order\x18\x06 \x01(\x08J\x04\x08\x04\x10\x05R\x19\x61llow_unlisted_properties\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x0c\n\nJsonObject\"\x83\x02\n\x0bGrammarSpec\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.gramserve.v1.ChoiceListH\x00\x12/\n\x0bjson_object\x18\x05 \x01(\x0b\x32\x18.gramserve.v1.JsonObjectH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x07 \x01(\tH\x00\x12-\n\x07options\x18\n \x01(\x0b\x32\x1c.gramserve.v1.GrammarOptionsB\x06\n\x04kind\"\x87\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12\x31\n\rlogprobs_mode\x18\x0e \x01(\x0e\x32\x1a.gramserve.v1.LogprobsModeB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r*P\n\nWhitespace\x12\x16\n\x12WHITESPACE_BOUNDED\x10\x00\x12\x16\n\x12WHITESPACE_COMPACT\x10\x01\x12\x12\n\x0eWHITESPACE_ANY\x10\x02*h\n\x0eGrammarBackend\x12\x18\n\x14GRAMMAR_BACKEND_AUTO\x10\x00\x12\x1c\n\x18GRAMMAR_BACKEND_XGRAMMAR\x10\x01\x12\x1e\n\x1aGRAMMAR_BACKEND_LLGUIDANCE\x10\x02*N\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_CONSTRAINED\x10\x00\x12\x1f\n\x1bLOGPROBS_MODE_UNCONSTRAINED\x10\x01*\xa8\x02\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12#\n\x1f\x46INISH_REASON_GRAMMAR_COMPLETED\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x05\x12 \n\x1c\x46INISH_REASON_ERROR_DEAD_END\x10\x06\x12\"\n\x1e\x46INISH_REASON_ERROR_DIVERGENCE\x10\x07\x12 \n\x1c\x46INISH_REASON_ERROR_INTERNAL\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WHITESPACE']._serialized_start=1078
-  _globals['_WHITESPACE']._serialized_end=1158
-  _globals['_GRAMMARBACKEND']._serialized_start=1160
-  _globals['_GRAMMARBACKEND']._serialized_end=1264
-  _globals['_LOGPROBSMODE']._serialized_start=1266
-  _globals['_LOGPROBSMODE']._serialized_end=1344
-  _globals['_FINISHREASON']._serialized_start=1347
-  _globals['_FINISHREASON']._serialized_end=1643
+  _globals['_WHITESPACE']._serialized_start=1108
+  _globals['_WHITESPACE']._serialized_end=1188
+  _globals['_GRAMMARBACKEND']._serialized_start=1190
+  _globals['_GRAMMARBACKEND']._serialized_end=1294
+  _globals['_LOGPROBSMODE']._serialized_start=1296
+  _globals['_LOGPROBSMODE']._serialized_end=1374
+  _globals['_FINISHREASON']._serialized_start=1377
+  _globals['_FINISHREASON']._serialized_end=1673
   _globals['_GRAMMAROPTIONS']._serialized_start=38
-  _globals['_GRAMMAROPTIONS']._serialized_end=220
-  _globals['_CHOICELIST']._serialized_start=222
-  _globals['_CHOICELIST']._serialized_end=251
-  _globals['_JSONOBJECT']._serialized_start=253
-  _globals['_JSONOBJECT']._serialized_end=265
-  _globals['_GRAMMARSPEC']._serialized_start=268
-  _globals['_GRAMMARSPEC']._serialized_end=527
-  _globals['_SAMPLINGPARAMS']._serialized_start=530
-  _globals['_SAMPLINGPARAMS']._serialized_end=921
-  _globals['_TOKENLOGPROB']._serialized_start=923
-  _globals['_TOKENLOGPROB']._serialized_end=1017
-  _globals['_USAGE']._serialized_start=1019
-  _globals['_USAGE']._serialized_end=1076
+  _globals['_GRAMMAROPTIONS']._serialized_end=250
+  _globals['_CHOICELIST']._serialized_start=252
+  _globals['_CHOICELIST']._serialized_end=281
+  _globals['_JSONOBJECT']._serialized_start=283
+  _globals['_JSONOBJECT']._serialized_end=295
+  _globals['_GRAMMARSPEC']._serialized_start=298
+  _globals['_GRAMMARSPEC']._serialized_end=557
+  _globals['_SAMPLINGPARAMS']._serialized_start=560
+  _globals['_SAMPLINGPARAMS']._serialized_end=951
+  _globals['_TOKENLOGPROB']._serialized_start=953
+  _globals['_TOKENLOGPROB']._serialized_end=1047
+  _globals['_USAGE']._serialized_start=1049
+  _globals['_USAGE']._serialized_end=1106
 # @@protoc_insertion_point(module_scope)

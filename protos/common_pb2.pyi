@@ -54,16 +54,18 @@ FINISH_REASON_ERROR_DIVERGENCE: FinishReason
 FINISH_REASON_ERROR_INTERNAL: FinishReason
 
 class GrammarOptions(_message.Message):
-    __slots__ = ("whitespace", "max_whitespace", "strict", "backend")
+    __slots__ = ("whitespace", "max_whitespace", "strict", "backend", "fixed_property_order")
     WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     MAX_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    FIXED_PROPERTY_ORDER_FIELD_NUMBER: _ClassVar[int]
     whitespace: Whitespace
     max_whitespace: int
     strict: bool
     backend: GrammarBackend
-    def __init__(self, whitespace: _Optional[_Union[Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., strict: _Optional[bool] = ..., backend: _Optional[_Union[GrammarBackend, str]] = ...) -> None: ...
+    fixed_property_order: bool
+    def __init__(self, whitespace: _Optional[_Union[Whitespace, str]] = ..., max_whitespace: _Optional[int] = ..., strict: _Optional[bool] = ..., backend: _Optional[_Union[GrammarBackend, str]] = ..., fixed_property_order: _Optional[bool] = ...) -> None: ...
 
 class ChoiceList(_message.Message):
     __slots__ = ("choices",)

@@ -36,6 +36,26 @@ def test_strict_json_schema_and_whitespace_map_to_grammar_options():
     assert req.constraint.options.whitespace == common_pb2.WHITESPACE_COMPACT
 
 
+def test_json_schemas_keep_the_schemas_property_order_unless_asked_for_any():
+    schema = {"type": "object", "properties": {"a": {}, "b": {}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    for kw in (dict(response_format=rf), dict(structured_outputs={"json": schema}),
+               dict(tools=tools, tool_choice="required")):
+        (req,) = chat(**kw).requests
+        assert req.constraint.options.fixed_property_order, kw  # as OpenAI writes keys
+        so = {**kw.get("structured_outputs", {}), "property_order": "any"}
+        (req,) = chat(**{**kw, "structured_outputs": so}).requests
+        assert not req.constraint.options.fixed_property_order, kw
+    (req,) = chat(structured_outputs={"regex": "a+"}).requests
+    assert not req.constraint.options.fixed_property_order
+    for so, message in (({"json": schema, "property_order": "sorted"}, "must be"),
+                        ({"regex": "a", "property_order": "any"}, "only to a JSON schema")):
+        with pytest.raises(ot.OpenAIError, match=message) as err:
+            chat(structured_outputs=so)
+        assert err.value.status == 400 and err.value.param == "structured_outputs.property_order"
+
+
 def test_several_tools_required_is_an_anyof_of_name_and_arguments():
     tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
              for n in ("a", "b")]

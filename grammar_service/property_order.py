@@ -1,0 +1,435 @@
+"""Any property order, as JSON Schema means it, on llguidance.
+
+Both engines fix the order of an object's properties: llguidance's JSON compiler (like
+xgrammar's) takes the listed properties in the schema's order, then the unlisted ones. JSON
+Schema allows any order, so a valid document whose keys come in another order is refused;
+on SchemaStore's test documents that is most of the valid instances refused.
+
+`any_order_grammar` rewrites a JSON schema into an llguidance Lark grammar in which every
+object whose keywords it can state exactly takes its properties in any order: an object node
+with `type: object` and nothing that constrains objects but `properties`, `required` and
+`additionalProperties`. Its members come from one parametric rule (llguidance's
+parametric grammars, docs/parametric.md in its repository) whose 64-bit parameter is the
+set of listed properties seen: each listed property at most once, the closing brace only
+once every required one has come, unlisted names (when the schema allows them) any number
+of times, as llguidance's own JSON compiler allows them, with values under
+`additionalProperties`. The rewrite reaches such objects through local `$ref`s, `anyOf`
+(a union: the alternation of the branches) and arrays with an `items` schema; every other
+node (strings, numbers, `enum`, `allOf`, `oneOf`, ...) stays llguidance's JSON compiler's,
+embedded as `%json {...}` with the same options, the schema's definitions it refers to
+carried along. So the grammar enforces what the JSON compiler would, property order aside,
+and its warnings (lenient compiles) are the same.
+
+What stays fixed: objects inside embedded nodes (under `allOf`, `oneOf`, `not`, `if`, or
+next to `patternProperties`, `propertyNames`, `min/maxProperties`, `dependencies`, ...,
+or with more than 64 listed properties). `None` (the caller compiles the schema as it is)
+when no object would change, when the schema uses what the rewrite does not resolve (a
+`$ref` that is not a local JSON pointer into `definitions` / `$defs` from an embedded node,
+`$id` below the root, anchors), or when the grammar would be much larger than the schema.
+
+Unlisted names are JSON strings without `\\u` or `\\/` escapes that are not a listed name
+written as `json.dumps` writes it; so an unlisted name can never be a listed one spelled
+differently.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+_WS = r"[\x20\x0A\x0D\x09]"
+# A JSON string without \u or \/ escapes: every such string has one spelling.
+_KEY = r'"(?:[^"\\\x00-\x1F]|\\["\\bfnrt])*"'
+MAX_PROPERTIES = 64  # bits of llguidance's rule parameter
+# The values of the JSON types as lexemes (RFC 8259), for nodes that are a bare type: what
+# llguidance's JSON compiler accepts for them, and a string may also use any \u escape.
+_NUMBER_INT = r"-?(?:0|[1-9][0-9]*)"
+_LEAVES = {
+    "string": r'/"(?:[^"\\\x00-\x1F]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*"/',
+    "integer": f"/{_NUMBER_INT}/",
+    "number": f"/{_NUMBER_INT}(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?/",
+    "boolean": '"true" | "false"',
+    "null": '"null"',
+}
+# The grammar may be this many times the schema's size (or MIN_BUDGET bytes) before the
+# rewrite gives up: embedded nodes carry the definitions they use, once per embedding.
+SIZE_FACTOR = 8
+MIN_BUDGET = 64 * 1024
+
+# Keywords that make a node more than the rewrite states (an object node, an anyOf node, a
+# $ref node or an array node keeps only its own). Keywords of other types on a typed node
+# do not apply to it and are ignored, as JSON Schema says.
+_OBJECT_BLOCKERS = frozenset({
+    "enum", "const", "minProperties", "maxProperties", "patternProperties", "propertyNames",
+    "dependencies", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
+    "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
+    "$recursiveRef", "extends", "disallow",
+})
+_ARRAY_BLOCKERS = frozenset({
+    "enum", "const", "uniqueItems", "contains", "minContains", "maxContains", "prefixItems",
+    "additionalItems", "unevaluatedItems", "allOf", "anyOf", "oneOf", "not", "if", "then",
+    "else", "$ref", "$dynamicRef", "$recursiveRef", "extends", "disallow",
+})
+# Every keyword that asserts or applies (so a node with anyOf or $ref and none of these
+# else is exactly that union or that reference).
+_ASSERTIONS = _OBJECT_BLOCKERS | _ARRAY_BLOCKERS | frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "minItems",
+    "maxItems", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "format", "contentEncoding", "contentMediaType",
+    "divisibleBy",
+})
+# Keywords that say nothing about an instance, left out of an embedded node (so that equal
+# value schemas with different descriptions are embedded once), and our own options key.
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+    "writeOnly", "markdownDescription", "markdownEnumDescriptions", "enumDescriptions",
+    "x-guidance", "x-intellij-html-description", "x-taplo", "x-tombi-toml-version",
+})
+# Keywords whose values are data, not schemas (no $ref inside them is a reference).
+_DATA = frozenset({"enum", "const", "default", "examples"})
+_DEFS = ("definitions", "$defs")
+_NAME = re.compile(r"\b(?:n\d+_[mr]|[nj]\d+|T\d+)\b")
+# Array bounds written out as repetitions up to this many items; larger ones are embedded.
+_MAX_ITEMS_WRITTEN = 16
+
+
+class _Unsupported(Exception):
+    """The schema uses something the rewrite does not resolve: compile it as it is."""
+
+
+def any_order_grammar(schema, x_guidance: dict, whitespace: str | None,
+                      text: str | None = None) -> str | None:
+    """Lark text for `schema` with any property order (see the module docstring), or None.
+
+    `text`: the schema's JSON text, if the caller has it (saves a dump and most walks).
+    `x_guidance`: llguidance's JSON options for the embedded nodes (whitespace, lenient).
+    `whitespace`: the regex of the whitespace allowed at each place between tokens
+    (`whitespace_regex`; at most one match per place, as llguidance's `whitespace_pattern`),
+    None for none (compact JSON). Pure.
+    """
+    if not isinstance(schema, dict):
+        return None
+    try:
+        return _Rewriter(schema, x_guidance, whitespace, text).grammar()
+    except (_Unsupported, RecursionError):
+        return None
+
+
+def whitespace_regex(mode: str, bound: int) -> str | None:
+    """The between-token whitespace regex of a whitespace mode ("compact", "bounded" with
+    `bound`, "any"), as llguidance's `whitespace_pattern`; None for compact."""
+    if mode == "compact":
+        return None
+    if mode == "bounded":
+        return f"{_WS}{{0,{bound}}}"
+    return f"{_WS}+"
+
+
+class _Rewriter:
+    def __init__(self, schema: dict, x_guidance: dict, whitespace: str | None,
+                 text: str | None = None):
+        self.root = schema
+        self.x_guidance = x_guidance
+        self.whitespace = whitespace
+        self.rules: dict[str, str] = {}  # name -> its definition
+        self.names: dict[str, str] = {}  # JSON pointer -> rule name
+        self.embeds: dict[str, str] = {}  # embedded JSON text -> rule name
+        self.terminals: dict[str, str] = {}  # terminal body -> name
+        self.objects = 0  # object rules written (the rewrite's point)
+        text = json.dumps(schema) if text is None else text
+        self.budget = max(MIN_BUDGET, SIZE_FACTOR * len(text))
+        self.size = 0
+        if text.count('"$id"') > ("$id" in schema) or '"$anchor"' in text \
+                or '"$dynamicAnchor"' in text:
+            _check_ids(schema, top=True)
+
+    def grammar(self) -> str | None:
+        start = self.node("#", self.root)
+        if not self.objects:
+            return None
+        # Only what the start rule reaches (a node embedded whole leaves the rules of its
+        # parts behind, and llguidance would build them all).
+        for body, name in self.terminals.items():
+            self.rules[name] = f"{name}: {body}"
+        reached, todo = set(), [start]
+        while todo:
+            name = todo.pop()
+            if name not in reached and name in self.rules:
+                reached.add(name)
+                todo.extend(_NAME.findall(self.rules[name]))
+        # Whitespace as llguidance's JSON compiler has it: skipped before any lexeme, at
+        # most one match of the pattern at each place (so a bound holds); the embedded
+        # nodes skip the same. The lexemes themselves are the JSON compiler's ({, }, [, ],
+        # comma, colon, names, values): where a rewritten object and an embedded one are
+        # alternatives, the lexer splits the text the same way for both.
+        lines = ['%llguidance {"ignore_once": true}', f"start: {start}"]
+        if self.whitespace:
+            lines.append(f"%ignore /{self.whitespace}/")
+        return "\n".join(lines + [r for n, r in self.rules.items() if n in reached]) + "\n"
+
+    # -- nodes
+
+    def node(self, pointer: str, node) -> str:
+        """The rule name for the schema `node` found at `pointer`."""
+        if pointer in self.names:
+            return self.names[pointer]
+        if isinstance(node, dict) and node.keys() & _ASSERTIONS == {"$ref"}:
+            target, target_pointer = self.resolve(node["$ref"])
+            self.names[pointer] = self.node(target_pointer, target)
+            return self.names[pointer]
+        leaf = self.leaf(node)
+        if leaf is not None:
+            self.names[pointer] = leaf
+            return leaf
+        name = self.names[pointer] = f"n{len(self.names)}"
+        body = self.structured(pointer, node)
+        if body is None:
+            target = self.embed(node)
+            self.names[pointer] = target
+            return target
+        self._add(name, f"{name}: {body}")
+        return name
+
+    def leaf(self, node) -> str | None:
+        """A terminal for a node that is just JSON types, or an `enum` / `const` of scalars
+        (the most common values: a lexeme costs far less to build than an embedded schema,
+        about 0.1 ms each), else None."""
+        if not isinstance(node, dict):
+            return None
+        keys = node.keys() & _ASSERTIONS
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else types
+        if types is not None and not (isinstance(types, list) and types
+                                      and all(t in _LEAVES for t in types)):
+            return None
+        if keys == {"type"}:
+            return self.terminal(" | ".join(_LEAVES[t] for t in dict.fromkeys(types)))
+        if keys - {"type"} not in ({"enum"}, {"const"}):
+            return None
+        values = node["enum"] if "enum" in keys else [node["const"]]
+        if not isinstance(values, list) or not all(_scalar(v) for v in values):
+            return None
+        if types is not None:
+            values = [v for v in values if any(_of_type(v, t) for t in types)]
+        texts = dict.fromkeys(json.dumps(v, ensure_ascii=False) for v in values)
+        if not texts:
+            return None  # nothing allowed: llguidance says so
+        return self.terminal(" | ".join(_lark_string(t) for t in texts))
+
+    def structured(self, pointer: str, node) -> str | None:
+        """The rule body for `node` when it is (or leads to) an object the rewrite writes,
+        else None (the node is embedded whole)."""
+        if not isinstance(node, dict):
+            return None
+        keys = node.keys() & _ASSERTIONS
+        if keys == {"anyOf"} and isinstance(node["anyOf"], list) and node["anyOf"]:
+            names = [self.node(f"{pointer}/anyOf/{i}", sub)
+                     for i, sub in enumerate(node["anyOf"])]
+            if not any(self._is_rule(n) for n in names):
+                return None
+            return " | ".join(names)
+        kind = node.get("type")
+        if kind == "object" and not keys & _OBJECT_BLOCKERS:
+            return self.object(pointer, node)
+        if kind == "array" and not keys & _ARRAY_BLOCKERS:
+            return self.array(pointer, node)
+        return None
+
+    def object(self, pointer: str, node: dict) -> str | None:
+        props = node.get("properties", {})
+        required = node.get("required", [])
+        extra = node.get("additionalProperties", True)
+        if not (isinstance(props, dict) and isinstance(required, list)
+                and all(isinstance(r, str) for r in required)
+                and isinstance(extra, (bool, dict))):
+            return None
+        allowed = {k: v for k, v in props.items() if v is not False}
+        required = list(dict.fromkeys(required))
+        if any(r not in allowed and (r in props or extra is False) for r in required):
+            return None  # unsatisfiable: llguidance says so
+        names = required + [k for k in allowed if k not in required]
+        if not names or len(names) > MAX_PROPERTIES:
+            return None
+        name = self.names[pointer]
+        m, rest = f"{name}_m", f"{name}_r"
+        members = []
+        for bit, key in enumerate(names):
+            if key in allowed:
+                value = self.node(f"{pointer}/properties/{_escape(key)}", allowed[key])
+            elif isinstance(extra, dict):
+                value = self.node(f"{pointer}/additionalProperties", extra)
+            else:
+                value = self.embed(True)
+            listed = _lark_string(json.dumps(key, ensure_ascii=False))
+            members.append(f'{listed} ":" {value} {rest}::set_bit({bit}) %if bit_clear({bit})')
+        if extra is not False:
+            value = (self.node(f"{pointer}/additionalProperties", extra)
+                     if isinstance(extra, dict) else self.embed(True))
+            unlisted = self.terminal(f"/{_KEY}/ & ~/{_names_regex(names)}/")
+            members.append(f'{unlisted} ":" {value} {rest}::_')
+        elif len(names) == 1 and not self._is_rule(value):
+            return None  # one property, nothing to order inside or out: embedded whole
+        self.objects += len(names) > 1 or extra is not False
+        self._add(m, f"{m}::_ : " + "\n    | ".join(members))
+        done = f" %if is_ones([0:{len(required)}])" if required else ""
+        more = "" if extra is not False else f" %if not(is_ones([0:{len(names)}]))"
+        self._add(rest, f'{rest}::_ : ""{done}\n    | "," {m}::_{more}')
+        full = f'"{{" {m}::0x0 "}}"'
+        return full if required else f'"{{" "}}" | {full}'
+
+    def array(self, pointer: str, node: dict) -> str | None:
+        items = node.get("items", True)
+        low, high = node.get("minItems", 0), node.get("maxItems")
+        if not isinstance(items, (bool, dict)) or items is False:
+            return None
+        if not (_count(low) and (high is None or _count(high))):
+            return None
+        if high is not None and (high > _MAX_ITEMS_WRITTEN or low > high or high == 0):
+            return None
+        item = self.node(f"{pointer}/items", items)
+        if item.startswith("j"):
+            return None  # embedded whole
+        if high is None:
+            more = f' ("," {item})*' if low <= 1 else f' ("," {item}){{{low - 1},}}'
+        elif high == 1:
+            more = ""
+        else:
+            more = f' ("," {item}){{{max(low - 1, 0)},{high - 1}}}'
+        full = f'"[" {item}{more} "]"'
+        return full if low else f'"[" "]" | {full}'
+
+    # -- pieces
+
+    def resolve(self, ref) -> tuple[object, str]:
+        """(target node, its pointer) of a local JSON-pointer $ref."""
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise _Unsupported(f"$ref {ref!r}")
+        node = self.root
+        for part in ref[2:].split("/") if ref != "#" else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise _Unsupported(f"$ref {ref!r}")
+        return node, ref
+
+    def embed(self, node) -> str:
+        """A rule embedding `node` as llguidance JSON, with the definitions it refers to."""
+        if isinstance(node, dict):
+            doc = {k: v for k, v in node.items() if k not in _ANNOTATIONS}
+        else:
+            doc = {} if node is True else {"not": {}}
+        defs: dict[str, dict] = {}
+        text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+        for ref in _refs(node, self.root) if '"$ref"' in text else ():
+            parts = ref[2:].split("/") if ref.startswith("#/") else []
+            if len(parts) < 2 or parts[0] not in _DEFS:
+                raise _Unsupported(f"$ref {ref!r} from an embedded node")
+            name = parts[1].replace("~1", "/").replace("~0", "~")
+            defs.setdefault(parts[0], {})[name] = self.root[parts[0]][name]
+        for container, entries in defs.items():
+            doc[container] = entries
+        if "$schema" in self.root:
+            doc["$schema"] = self.root["$schema"]
+        doc["x-guidance"] = self.x_guidance
+        text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+        if text not in self.embeds:
+            name = self.embeds[text] = f"j{len(self.embeds)}"
+            self._add(name, f"{name}: %json {text}")
+        return self.embeds[text]
+
+    def terminal(self, body: str) -> str:
+        if body not in self.terminals:
+            self.terminals[body] = f"T{len(self.terminals)}"
+            self.size += len(body)
+        return self.terminals[body]
+
+    def _is_rule(self, name: str) -> bool:
+        return name.startswith("n")
+
+    def _add(self, name: str, rule: str) -> None:
+        self.size += len(rule)
+        if self.size > self.budget:
+            raise _Unsupported("grammar over its size budget")
+        self.rules[name] = rule
+
+
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, (str, bool, int, float))
+
+
+def _of_type(value, kind: str) -> bool:
+    """Whether a scalar JSON value is of JSON Schema type `kind`."""
+    if isinstance(value, bool):
+        return kind == "boolean"
+    if isinstance(value, int):
+        return kind in ("integer", "number")
+    if isinstance(value, float):
+        return kind == "number" or (kind == "integer" and value.is_integer())
+    return {str: "string", type(None): "null"}[type(value)] == kind
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _lark_string(text: str) -> str:
+    """A Lark string literal matching `text` exactly."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _names_regex(names: list[str]) -> str:
+    """A regex (inside /.../) matching exactly the listed names as JSON strings."""
+    quoted = (re.escape(json.dumps(n, ensure_ascii=False)) for n in names)
+    return "(?:" + "|".join(quoted).replace("/", "\\/") + ")"
+
+
+def _refs(node, root: dict) -> list[str]:
+    """Every $ref reachable from `node`, following local ones (each target once)."""
+    seen: list[str] = []
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            for key, value in current.items():
+                if key in _DATA:
+                    continue
+                if key == "$ref" and isinstance(value, str):
+                    if value not in seen:
+                        seen.append(value)
+                        if value.startswith("#/"):
+                            stack.append(_Rewriter.resolve(_Bare(root), value)[0])
+                        elif value == "#":
+                            raise _Unsupported("$ref '#' from an embedded node")
+                else:
+                    stack.append(value)
+        elif isinstance(current, list):
+            stack.extend(current)
+    return seen
+
+
+class _Bare:
+    """Just enough of a _Rewriter for `_Rewriter.resolve`."""
+
+    def __init__(self, root):
+        self.root = root
+
+
+def _check_ids(node, top: bool) -> None:
+    """Refuse nested `$id`s and anchors: references would resolve against them."""
+    stack = [(node, top)]
+    while stack:
+        current, is_top = stack.pop()
+        if isinstance(current, dict):
+            if (not is_top and isinstance(current.get("$id"), str)) or \
+                    "$anchor" in current or "$dynamicAnchor" in current:
+                raise _Unsupported("$id or anchor below the root")
+            stack.extend((v, False) for k, v in current.items() if k not in _DATA)
+        elif isinstance(current, list):
+            stack.extend((v, False) for v in current)

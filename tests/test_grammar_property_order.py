@@ -1,0 +1,322 @@
+"""Any property order (grammar_service.property_order) on real llguidance, token by token.
+
+The rewrite must accept exactly what the schema accepts, in any key order: random schemas
+(nested objects, arrays, local $refs, anyOf, required, every kind of additionalProperties,
+objects llguidance compiles itself beside rewritten ones) with random documents, valid ones
+in shuffled key order and invalid ones made from them, with and without whitespace, are
+judged by jsonschema and by the compiled grammar, and the two must agree on every document.
+Whitespace: the same whitespace as llguidance's own JSON grammar at each bound.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import jsonschema
+import pytest
+import tokenizers
+
+from grammar_service.backends import LLGUIDANCE, XGRAMMAR, VocabView
+from grammar_service.choice import compile_spec
+from grammar_service.default_model import ensure_default_model
+from grammar_service.property_order import any_order_grammar, whitespace_regex
+from grammar_service.specs import parse_spec
+from grammar_service.vocab import load_vocab
+from protos import common_pb2
+
+Opts = common_pb2.GrammarOptions
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return load_vocab(ensure_default_model())
+
+
+@pytest.fixture(scope="module")
+def backends(vocab):
+    return VocabView.of(vocab).backends()
+
+
+@pytest.fixture(scope="module")
+def encode(vocab):
+    tok = tokenizers.Tokenizer.from_str(vocab.tokenizer_json())
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+def compiled(backends, schema, backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE, **options):
+    spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema),
+                                             options=Opts(backend=backend, **options)))
+    result = compile_spec(spec, backends)
+    b = backends[result.backend]
+    # the rank's side: the serialised form, read back
+    return b, b.deserialize(result.payload)
+
+
+def accepts(grammar, encode, text: str) -> bool:
+    b, g = grammar
+    m = b.new_matcher(g)
+    return all(m.accept_token(t) for t in encode(text)) and m.accept_token(m.stop_token_ids[0])
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}}},
+    "required": ["name", "age"],
+    "$defs": {"tag": {"type": "object", "additionalProperties": False,
+                      "properties": {"k": {"type": "string"}, "v": {"type": "number"}},
+                      "required": ["k", "v"]}},
+}
+
+
+def test_any_order_by_default_and_each_property_at_most_once(backends, encode):
+    g = compiled(backends, PERSON)
+    for text, ok in [
+        ('{"name":"a","age":1}', True),
+        ('{"age":1,"name":"a"}', True),
+        ('{"tags":[{"v":1,"k":"x"}],"age":1,"name":"a"}', True),
+        ('{"other":{"x":[1]},"age":1,"name":"a"}', True),   # unlisted names allowed
+        ('{"age":1}', False),                                 # required name missing
+        ('{"age":1,"name":"a","age":2}', False),              # a listed name twice
+        ('{"age":1,"name":"a","tags":[{"v":1}]}', False),     # nested required
+        ('{"age":1,"name":"a","tags":[{"k":"x","v":1,"z":0}]}', False),  # nested false
+    ]:
+        assert accepts(g, encode, text) is ok, text
+        assert jsonschema.validate(json.loads(text), PERSON) is None if ok else True
+
+
+def test_fixed_property_order_option_and_xgrammar_keep_the_schemas_order(backends, encode):
+    swapped = '{"age":1,"name":"a"}'
+    for g in (compiled(backends, PERSON, fixed_property_order=True),
+              compiled(backends, PERSON, backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR)):
+        assert accepts(g, encode, '{"name":"a","age":1}')
+        assert not accepts(g, encode, swapped)
+
+
+def test_strict_forbids_unlisted_names_in_any_order(backends, encode):
+    g = compiled(backends, PERSON, strict=True)
+    assert accepts(g, encode, '{"age":1,"name":"a"}')
+    assert not accepts(g, encode, '{"age":1,"name":"a","other":1}')
+
+
+def test_names_that_need_escapes_and_regex_characters(backends, encode):
+    names = ['a"b', "c\\d", "e/f", "{g}", "h.*", "tab\there", "ünï"]
+    schema = {"type": "object", "properties": {n: {"type": "integer"} for n in names},
+              "required": names[:3], "additionalProperties": {"type": "string"}}
+    g = compiled(backends, schema)
+    doc = {n: i for i, n in enumerate(names)}
+    for keys in (names, names[::-1], names[3:] + names[:3]):
+        text = json.dumps({k: doc[k] for k in keys}, ensure_ascii=False)
+        assert accepts(g, encode, text), text
+    # an unlisted name takes additionalProperties; a listed one cannot pose as unlisted
+    assert accepts(g, encode, json.dumps({**doc, "zz": "s"}, ensure_ascii=False))
+    assert not accepts(g, encode, json.dumps({**doc, "zz": 1}, ensure_ascii=False))
+    assert not accepts(g, encode, '{"a\\"b":"s","c\\\\d":1,"e/f":2}')
+    assert not accepts(g, encode, '{"a\\"b":1,"c\\\\d":1,"e\\/f":"s"}')  # e/f spelled e\/f
+
+
+def test_whitespace_is_the_json_compilers_at_each_policy(backends, encode):
+    """In schema order, the rewritten grammar and llguidance's JSON grammar accept the same
+    whitespace: up to the bound at each place (bounded), none (compact), any (any)."""
+    rng = random.Random(7)
+    doc = {"name": "a", "age": 1, "tags": [{"k": "x", "v": 2}, {"k": "y", "v": 3}]}
+    for options in ({}, {"max_whitespace": 2},
+                    {"whitespace": common_pb2.WHITESPACE_COMPACT},
+                    {"whitespace": common_pb2.WHITESPACE_ANY}):
+        free = compiled(backends, PERSON, **options)
+        fixed = compiled(backends, PERSON, fixed_property_order=True, **options)
+        for _ in range(25):
+            text = _spaced(doc, rng, rng.choice([0, 1, 2, 3, 5]))
+            assert accepts(free, encode, text) == accepts(fixed, encode, text), (options, text)
+
+
+def _spaced(value, rng, most: int) -> str:
+    """JSON text with 0..`most` whitespace characters at random places between tokens."""
+    def ws():
+        return "".join(rng.choice(" \n\t") for _ in range(rng.randint(0, most)))
+    if value == {} or value == []:
+        return json.dumps(value)[0] + ws() + json.dumps(value)[1]  # one place, not two
+    if isinstance(value, dict):
+        inner = f"{ws()},{ws()}".join(f"{json.dumps(k)}{ws()}:{ws()}{_spaced(v, rng, most)}"
+                                        for k, v in value.items())
+        return "{" + ws() + inner + ws() + "}"
+    if isinstance(value, list):
+        inner = f"{ws()},{ws()}".join(_spaced(v, rng, most) for v in value)
+        return "[" + ws() + inner + ws() + "]"
+    return json.dumps(value)
+
+
+def test_lenient_reports_survive_the_rewrite(backends):
+    """A keyword llguidance ignores inside a rewritten object is still reported."""
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "format": "no-such-format"}, "b": {"type": "integer"}}}
+    spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema)))
+    result = compile_spec(spec, backends)
+    assert result.backend == LLGUIDANCE
+    assert "properties.a.format" in result.unenforced
+
+
+def test_what_the_rewrite_leaves_alone():
+    ws = whitespace_regex("bounded", 4)
+    opts = {"whitespace_flexible": True}
+    # nothing to order
+    assert any_order_grammar({"type": "string"}, opts, ws) is None
+    assert any_order_grammar({"type": "object", "properties": {"a": {}},
+                              "additionalProperties": False}, opts, ws) is None
+    # objects with constraints beyond the rewrite's stay llguidance's (fixed order)
+    for extra in ({"minProperties": 1}, {"patternProperties": {"^x": {}}},
+                  {"allOf": [{"required": ["a"]}]}, {"dependentRequired": {"a": ["b"]}}):
+        schema = {"type": "object", "properties": {"a": {}, "b": {}}, **extra}
+        assert any_order_grammar(schema, opts, ws) is None, extra
+    # references the rewrite does not resolve
+    remote = {"type": "object", "properties": {"a": {"$ref": "other.json#/x"}, "b": {}}}
+    assert any_order_grammar(remote, opts, ws) is None
+    nested_id = {"type": "object", "properties": {"a": {"$id": "x", "type": "string"},
+                                                  "b": {}}}
+    assert any_order_grammar(nested_id, opts, ws) is None
+    # an object under allOf is embedded; the one beside it is rewritten
+    mixed = {"type": "object", "properties": {
+        "a": {"allOf": [{"type": "object", "properties": {"x": {}, "y": {}}}]}, "b": {}}}
+    text = any_order_grammar(mixed, opts, ws)
+    assert text is not None and '"allOf"' in text
+
+
+# ------------------------------------------------------------------ random differential
+
+def _random_schema(rng: random.Random, depth: int, defs: dict) -> dict:
+    roll = rng.random()
+    if depth <= 0 or roll < 0.35:
+        return rng.choice([
+            {"type": "string"}, {"type": "integer"}, {"type": "boolean"},
+            {"type": "string", "maxLength": 3}, {"enum": ["x", "y", 1]},
+            {"type": "number", "minimum": 0}, {"type": "null"}])
+    if roll < 0.5:
+        return {"type": "array", "items": _random_schema(rng, depth - 1, defs),
+                **({"maxItems": 2} if rng.random() < 0.3 else {})}
+    if roll < 0.58 and defs:
+        return {"$ref": f"#/$defs/{rng.choice(sorted(defs))}"}
+    if roll < 0.66:
+        return {"anyOf": [_random_schema(rng, depth - 1, defs) for _ in range(2)]}
+    names = rng.sample(["a", "b", "c", "d", "e", "f"], rng.randint(1, 4))
+    node = {"type": "object",
+            "properties": {n: _random_schema(rng, depth - 1, defs) for n in names}}
+    if rng.random() < 0.7:
+        node["required"] = rng.sample(names, rng.randint(0, len(names)))
+    extra = rng.choice([None, False, True, {"type": "integer"}])
+    if extra is not None:
+        node["additionalProperties"] = extra
+    if rng.random() < 0.15:
+        # Not rewritten: llguidance's own object (order fixed), beside rewritten ones. Every
+        # property required and no other names, so that a document changed by _mutations
+        # keeps the schema's order wherever it is still valid.
+        node.update(patternProperties={"^z": {"type": "integer"}}, required=names,
+                    additionalProperties=False)
+    return node
+
+
+def _instance(rng: random.Random, schema, root: dict, fixed: bool = False):
+    """A document valid for `schema` most of the time (keys shuffled, except in and under
+    objects llguidance compiles itself, whose order is fixed)."""
+    if "$ref" in schema:
+        return _instance(rng, root["$defs"][schema["$ref"].rsplit("/", 1)[1]], root, fixed)
+    if "anyOf" in schema:
+        return _instance(rng, rng.choice(schema["anyOf"]), root, fixed)
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    kind = schema.get("type")
+    if kind == "object":
+        required = set(schema.get("required", []))
+        fixed = fixed or "patternProperties" in schema
+        doc = {n: _instance(rng, s, root, fixed) for n, s in schema["properties"].items()
+               if n in required or rng.random() < 0.6}
+        if schema.get("additionalProperties", True) is not False and rng.random() < 0.3:
+            doc["zz"] = 7
+        items = list(doc.items())
+        if not fixed:
+            rng.shuffle(items)
+        return dict(items)
+    if kind == "array":
+        return [_instance(rng, schema["items"], root, fixed)
+                for _ in range(rng.randint(0, schema.get("maxItems", 3)))]
+    return {"string": "s", "integer": 3, "boolean": True, "number": 1.5, "null": None}[kind]
+
+
+def _mutations(rng: random.Random, doc):
+    """Documents near `doc`: a key dropped, a value replaced, a key added."""
+    paths = []
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            paths.append(path)
+            for k, v in node.items():
+                walk(v, path + [k])
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, path + [i])
+    walk(doc, [])
+    for _ in range(3):
+        if not paths:
+            return
+        mutated = copy.deepcopy(doc)
+        target = mutated
+        for p in rng.choice(paths):
+            target = target[p]
+        choice = rng.random()
+        if choice < 0.4 and target:
+            target.pop(rng.choice(list(target)))
+        elif choice < 0.7 and target:
+            target[rng.choice(list(target))] = rng.choice(["s", 3, None, [1], {"q": 1}])
+        else:
+            target[rng.choice("abcdefz")] = rng.choice(["s", 3, None])
+        yield mutated
+
+
+def test_random_schemas_agree_with_jsonschema_in_any_order(backends, encode):
+    rng = random.Random(20261205)
+    checked = rewritten = valid_seen = 0
+    for _ in range(80):
+        defs: dict = {}
+        for name in ("p", "q"):
+            defs[name] = _random_schema(rng, 2, defs)
+        schema = {**_random_schema(rng, 3, defs), "$defs": defs}
+        schema["type"] = "object"
+        schema.setdefault("properties", {"a": {"type": "integer"}, "b": {"type": "string"}})
+        for key in ("anyOf", "$ref", "enum", "items", "maxItems", "patternProperties"):
+            schema.pop(key, None)
+        opts = {"whitespace_flexible": True}
+        if any_order_grammar(schema, opts, whitespace_regex("bounded", 4)) is not None:
+            rewritten += 1
+        g = compiled(backends, schema)
+        validator = jsonschema.Draft202012Validator(schema)
+        for _ in range(4):
+            doc = _instance(rng, schema, schema)
+            for candidate in [doc, *_mutations(rng, doc)]:
+                text = json.dumps(candidate)
+                valid = validator.is_valid(candidate)
+                if rng.random() < 0.5:  # whitespace within the bound, at every place
+                    text = _spaced(candidate, rng, 4)
+                assert accepts(g, encode, text) == valid, (json.dumps(schema), text, valid)
+                checked += 1
+                valid_seen += valid
+    assert rewritten >= 60 and checked >= 700 and 0.3 < valid_seen / checked < 0.9
+
+
+def test_xgrammar_unaffected(backends, encode):
+    g = compiled(backends, PERSON, backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR)
+    assert g[0].name == XGRAMMAR
+    assert accepts(g, encode, '{"name":"a","age":1}')
+
+
+def test_a_rewrite_llguidance_refuses_falls_back_to_the_schemas_own_grammar(backends, encode):
+    """An optional property whose schema nothing satisfies: llguidance's compile of the whole
+    schema leaves the property out, the embedded node alone is an error; the schema still
+    compiles on llguidance, in the schema's order."""
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"},
+        "never": {"type": "string", "minLength": 3, "maxLength": 1}}}
+    g = compiled(backends, schema, backend=common_pb2.GRAMMAR_BACKEND_AUTO)
+    assert g[0].name == LLGUIDANCE
+    assert accepts(g, encode, '{"a":1,"b":2}')
+    assert not accepts(g, encode, '{"a":1,"never":"x"}')
