@@ -20,12 +20,17 @@ embedded as `%json {...}` with the same options, the schema's definitions it ref
 carried along. So the grammar enforces what the JSON compiler would, property order aside,
 and its warnings (lenient compiles) are the same.
 
+A node without `type` (or with a list holding "object") that lists properties is the
+rewritten object or, embedded, the other types with the node's other keywords. An embedded
+node takes along every target its `$ref`s reach (a definition, the root, any node), under
+`$defs`, its references rewritten to them.
+
 What stays fixed: objects inside embedded nodes (under `allOf`, `oneOf`, `not`, `if`, or
 next to `patternProperties`, `propertyNames`, `min/maxProperties`, `dependencies`, ...,
 or with more than 64 listed properties). `None` (the caller compiles the schema as it is)
 when no object would change, when the schema uses what the rewrite does not resolve (a
-`$ref` that is not a local JSON pointer into `definitions` / `$defs` from an embedded node,
-`$id` below the root, anchors), or when the grammar would be much larger than the schema.
+`$ref` that is not a local JSON pointer, `$id` below the root, anchors), or when the grammar
+would be much larger than the schema.
 
 Unlisted names are JSON strings without `\\u` or `\\/` escapes that are not a listed name
 written as `json.dumps` writes it; so an unlisted name can never be a listed one spelled
@@ -87,7 +92,8 @@ _ANNOTATIONS = frozenset({
 })
 # Keywords whose values are data, not schemas (no $ref inside them is a reference).
 _DATA = frozenset({"enum", "const", "default", "examples"})
-_DEFS = ("definitions", "$defs")
+_OBJECT_KEYWORDS = ("type", "properties", "required", "additionalProperties")
+_NOT_OBJECT = ("array", "string", "number", "boolean", "null")
 _NAME = re.compile(r"\b(?:n\d+_[mr]|[nj]\d+|T\d+)\b")
 # Array bounds written out as repetitions up to this many items; larger ones are embedded.
 _MAX_ITEMS_WRITTEN = 16
@@ -231,6 +237,19 @@ class _Rewriter:
         kind = node.get("type")
         if kind == "object" and not keys & _OBJECT_BLOCKERS:
             return self.object(pointer, node)
+        types = [kind] if isinstance(kind, str) else kind
+        if (types is None and "properties" in node) or (
+                isinstance(types, list) and "object" in types and len(types) > 1):
+            # Objects or other types (no `type`, or a list with "object"): the object
+            # rewritten, the other types embedded with the node's other keywords.
+            if keys & _OBJECT_BLOCKERS:
+                return None
+            body = self.object(pointer, node)
+            if body is None:
+                return None
+            others = [t for t in types or _NOT_OBJECT if t != "object"]
+            rest = {k: v for k, v in node.items() if k not in _OBJECT_KEYWORDS}
+            return f"{body} | {self.embed({**rest, 'type': others})}"
         if kind == "array" and not keys & _ARRAY_BLOCKERS:
             return self.array(pointer, node)
         return None
@@ -321,16 +340,19 @@ class _Rewriter:
             doc = {k: v for k, v in node.items() if k not in _ANNOTATIONS}
         else:
             doc = {} if node is True else {"not": {}}
-        defs: dict[str, dict] = {}
         text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
-        for ref in _refs(node, self.root) if '"$ref"' in text else ():
-            parts = ref[2:].split("/") if ref.startswith("#/") else []
-            if len(parts) < 2 or parts[0] not in _DEFS:
-                raise _Unsupported(f"$ref {ref!r} from an embedded node")
-            name = parts[1].replace("~1", "/").replace("~0", "~")
-            defs.setdefault(parts[0], {})[name] = self.root[parts[0]][name]
-        for container, entries in defs.items():
-            doc[container] = entries
+        if '"$ref"' in text:
+            # Every target the node reaches travels with it under $defs, named by its
+            # pointer, and every reference is rewritten to it: a target anywhere in the
+            # schema (a definition, the root, a property) resolves inside the embedded one.
+            refs = {ref: "#/$defs/" + _escape("gs" + ref[1:]) for ref in _refs(node, self.root)}
+            doc = _with_refs(doc, refs)
+            defs = doc.setdefault("$defs", {})
+            if not isinstance(defs, dict):
+                raise _Unsupported("$defs is not an object")
+            for ref in refs:
+                target = self.resolve(ref)[0]
+                defs["gs" + ref[1:]] = _with_refs(target, refs)
         if "$schema" in self.root:
             doc["$schema"] = self.root["$schema"]
         doc["x-guidance"] = self.x_guidance
@@ -403,15 +425,22 @@ def _refs(node, root: dict) -> list[str]:
                 if key == "$ref" and isinstance(value, str):
                     if value not in seen:
                         seen.append(value)
-                        if value.startswith("#/"):
-                            stack.append(_Rewriter.resolve(_Bare(root), value)[0])
-                        elif value == "#":
-                            raise _Unsupported("$ref '#' from an embedded node")
+                        stack.append(_Rewriter.resolve(_Bare(root), value)[0])
                 else:
                     stack.append(value)
         elif isinstance(current, list):
             stack.extend(current)
     return seen
+
+
+def _with_refs(node, refs: dict[str, str]):
+    """A copy of `node` with each `$ref` value replaced as `refs` says (data left alone)."""
+    if isinstance(node, dict):
+        return {k: (refs.get(v, v) if k == "$ref" and isinstance(v, str)
+                    else v if k in _DATA else _with_refs(v, refs)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_with_refs(v, refs) for v in node]
+    return node
 
 
 class _Bare:

@@ -200,8 +200,10 @@ def _random_schema(rng: random.Random, depth: int, defs: dict) -> dict:
     if roll < 0.66:
         return {"anyOf": [_random_schema(rng, depth - 1, defs) for _ in range(2)]}
     names = rng.sample(["a", "b", "c", "d", "e", "f"], rng.randint(1, 4))
-    node = {"type": "object",
+    node = {"type": rng.choice(["object"] * 6 + [["object", "null"], None]),
             "properties": {n: _random_schema(rng, depth - 1, defs) for n in names}}
+    if node["type"] is None:  # any type; objects as listed
+        del node["type"]
     if rng.random() < 0.7:
         node["required"] = rng.sample(names, rng.randint(0, len(names)))
     extra = rng.choice([None, False, True, {"type": "integer"}])
@@ -225,7 +227,9 @@ def _instance(rng: random.Random, schema, root: dict, fixed: bool = False):
         return _instance(rng, rng.choice(schema["anyOf"]), root, fixed)
     if "enum" in schema:
         return rng.choice(schema["enum"])
-    kind = schema.get("type")
+    kind = schema.get("type", "object")
+    if kind == ["object", "null"]:
+        kind = rng.choice(["object", "object", "null"])
     if kind == "object":
         required = set(schema.get("required", []))
         fixed = fixed or "patternProperties" in schema
@@ -241,6 +245,30 @@ def _instance(rng: random.Random, schema, root: dict, fixed: bool = False):
         return [_instance(rng, schema["items"], root, fixed)
                 for _ in range(rng.randint(0, schema.get("maxItems", 3)))]
     return {"string": "s", "integer": 3, "boolean": True, "number": 1.5, "null": None}[kind]
+
+
+def test_references_from_embedded_nodes_travel_with_them(backends, encode):
+    """A node the rewrite embeds may refer to the root, or to any node: the targets go
+    along with it. A typeless node listing properties is an object or any other value."""
+    tree = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"},
+        "alias": {"allOf": [{"$ref": "#/properties/name"}]},
+        "children": {"allOf": [{"type": "array", "items": {"$ref": "#"}}]},
+        "meta": {"properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}
+    assert any_order_grammar(tree, {}, None) is not None
+    g = compiled(backends, tree)
+    for text, ok in [
+        # inside the embedded allOf, llguidance's own objects: the schema's order
+        ('{"children":[{"name":"b","children":[]}],"name":"a"}', True),
+        ('{"name":"a","children":[{"children":[{"name":"c","alias":"d"}]}]}', False),
+        ('{"alias":"x","name":"a"}', True),
+        ('{"alias":1,"name":"a"}', False),
+        ('{"meta":{"y":1,"x":2},"name":"a"}', True),
+        ('{"meta":[1,"s"],"name":"a"}', True),
+        ('{"meta":{"y":"s"},"name":"a"}', False),
+    ]:
+        assert accepts(g, encode, text) is ok, text
+        assert jsonschema.Draft202012Validator(tree).is_valid(json.loads(text)) is ok, text
 
 
 def _mutations(rng: random.Random, doc):
