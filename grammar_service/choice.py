@@ -99,8 +99,28 @@ def compile_spec(spec, backends: dict) -> Compiled:
 
     `backends`: {name: backend} (grammar_service.backends). Raises StrictRefused, and what
     BackendError (naming the backend) when the chosen backend refuses the spec, and
-    MemoryError.
+    MemoryError. A JSON schema's reason also says which property order the grammar takes.
     """
+    compiled = _choose(spec, backends)
+    if spec.kind != "json_schema":
+        return compiled
+    if compiled.backend == LLGUIDANCE and _ANY_ORDER in compiled.payload[:120]:
+        order = "properties in any order (where the rewrite applies: README, JSON Schema " \
+                "semantics)"
+    elif spec.options.fixed_order:
+        order = "properties in the schema's order (options.fixed_property_order)"
+    elif compiled.backend == XGRAMMAR:
+        order = "properties in the schema's order (xgrammar fixes it)"
+    else:
+        order = "properties in the schema's order (no object the rewrite can reorder)"
+    return replace(compiled, reason=f"{compiled.reason}; {order}")
+
+
+# How an llguidance payload of the any-order rewrite begins (its Lark text's first line).
+_ANY_ORDER = b'"grammar":"%llguidance {'
+
+
+def _choose(spec, backends: dict) -> Compiled:
     forced = spec.options.backend
     if forced != "auto":
         return _with(backends[forced], spec, f"forced: options.backend is {forced}")

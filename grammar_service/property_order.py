@@ -284,7 +284,9 @@ class _Rewriter:
         if extra is not False:
             value = (self.node(f"{pointer}/additionalProperties", extra)
                      if isinstance(extra, dict) else self.embed(True))
-            unlisted = self.terminal(f"/{_KEY}/ & ~/{_names_regex(names)}/")
+            # not a listed name, nor one listed as `false` (that name is never allowed)
+            listed = names + [k for k in props if k not in allowed]
+            unlisted = self.terminal(f"/{_KEY}/ & ~/{_names_regex(listed)}/")
             members.append(f'{unlisted} ":" {value} {rest}::_')
         elif len(names) == 1 and not self._is_rule(value):
             return None  # one property, nothing to order inside or out: embedded whole

@@ -254,7 +254,8 @@ def test_forcing_a_backend_overrides_the_rule_and_reports_what_it_leaves_out(bac
     forced = compile_spec(schema_spec(ALL_OF, backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR),
                           backends)
     assert (forced.backend, forced.unenforced) == (XGRAMMAR, ("allOf",))
-    assert forced.reason == "forced: options.backend is xgrammar"
+    assert forced.reason == ("forced: options.backend is xgrammar; properties in the schema's "
+                             "order (xgrammar fixes it)")
     forced = compile_spec(spec_of(Opts(backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE),
                                   regex="[0-9]+"), backends)
     assert forced.backend == LLGUIDANCE

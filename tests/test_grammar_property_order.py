@@ -95,6 +95,15 @@ def test_fixed_property_order_option_and_xgrammar_keep_the_schemas_order(backend
         assert not accepts(g, encode, swapped)
 
 
+def test_a_property_listed_as_false_is_never_allowed(backends, encode):
+    for node in ({"type": "object"}, {}):  # typed, and typeless (any other value too)
+        schema = {**node, "properties": {"a": {"type": "integer"}, "b": False, "c": True}}
+        g = compiled(backends, schema)
+        assert accepts(g, encode, '{"c":[1],"a":1,"x":2}')
+        assert not accepts(g, encode, '{"a":1,"b":2}')
+        assert not accepts(g, encode, '{"b":null}')
+
+
 def test_strict_forbids_unlisted_names_in_any_order(backends, encode):
     g = compiled(backends, PERSON, strict=True)
     assert accepts(g, encode, '{"age":1,"name":"a"}')
@@ -206,6 +215,8 @@ def _random_schema(rng: random.Random, depth: int, defs: dict) -> dict:
         del node["type"]
     if rng.random() < 0.7:
         node["required"] = rng.sample(names, rng.randint(0, len(names)))
+    if rng.random() < 0.15:
+        node["properties"]["g"] = False  # never allowed
     extra = rng.choice([None, False, True, {"type": "integer"}])
     if extra is not None:
         node["additionalProperties"] = extra
@@ -234,7 +245,7 @@ def _instance(rng: random.Random, schema, root: dict, fixed: bool = False):
         required = set(schema.get("required", []))
         fixed = fixed or "patternProperties" in schema
         doc = {n: _instance(rng, s, root, fixed) for n, s in schema["properties"].items()
-               if n in required or rng.random() < 0.6}
+               if s is not False and (n in required or rng.random() < 0.6)}
         if schema.get("additionalProperties", True) is not False and rng.random() < 0.3:
             doc["zz"] = 7
         items = list(doc.items())
@@ -297,7 +308,7 @@ def _mutations(rng: random.Random, doc):
         elif choice < 0.7 and target:
             target[rng.choice(list(target))] = rng.choice(["s", 3, None, [1], {"q": 1}])
         else:
-            target[rng.choice("abcdefz")] = rng.choice(["s", 3, None])
+            target[rng.choice("abcdefgz")] = rng.choice(["s", 3, None])
         yield mutated
 
 
@@ -348,3 +359,18 @@ def test_a_rewrite_llguidance_refuses_falls_back_to_the_schemas_own_grammar(back
     assert g[0].name == LLGUIDANCE
     assert accepts(g, encode, '{"a":1,"b":2}')
     assert not accepts(g, encode, '{"a":1,"never":"x"}')
+
+
+def test_compile_grammar_says_which_order_the_grammar_takes(backends):
+    def reason(schema, **options):
+        spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema),
+                                                 options=Opts(**options)))
+        return compile_spec(spec, backends).reason
+    assert reason(PERSON).endswith("properties in any order (where the rewrite applies: "
+                                   "README, JSON Schema semantics)")
+    assert reason(PERSON, fixed_property_order=True).endswith("(options.fixed_property_order)")
+    assert reason(PERSON, backend=common_pb2.GRAMMAR_BACKEND_XGRAMMAR).endswith(
+        "(xgrammar fixes it)")
+    assert reason({"type": "object", "properties": {"a": {}, "b": {}},
+                   "patternProperties": {"^x": {}}}).endswith(
+        "(no object the rewrite can reorder)")
