@@ -276,12 +276,15 @@ def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, dura
     `http` (a base URL) the load goes through the OpenAI-compatible API instead of gRPC;
     `schema_prompts`: guided prompts name their schema (a model fine-tuned on them)."""
     processes = max(1, min(ns.client_processes, concurrency // 16 or 1))
+    family, backend, fixed = grammar_variant(family, ns.backend)
     cmd = [sys.executable, "-m", "gateway.cli", "bench", "--addr", addr, "--json",
            "--no-progress", "--concurrency", str(concurrency), "--processes", str(processes),
            "--structured-ratio", str(ratio), "--schema-family", family,
            "--max-tokens", str(ns.max_tokens), "--timeout", str(ns.request_timeout),
-           "--backend", ns.backend,
+           "--backend", backend,
            "--warmup", str(warmup), "--seed", str(int(ratio * 100) + concurrency)]
+    if fixed:
+        cmd.append("--fixed-property-order")
     if schema_prompts:
         cmd.append("--schema-prompts")
     cmd += ["--duration", str(duration)] if duration else ["--requests", str(requests)]
@@ -293,6 +296,28 @@ def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, dura
     if not lines:
         raise RuntimeError(f"gramserve bench exited {proc.returncode}: {proc.stderr[-2000:]}")
     return json.loads(lines[-1])
+
+
+BACKENDS = ("auto", "xgrammar", "llguidance")
+
+
+def grammar_variant(family: str, backend: str) -> tuple[str, str, bool]:
+    """A family as the runs name it, `name[@option...]` (options: a backend of BACKENDS,
+    `fixed` for the schemas' own property order), as (schema family, backend, fixed order);
+    `backend` where the name gives none. So one stack serves the same schemas with other
+    request options, e.g. `long@fixed`, `long@xgrammar`. Raises ValueError for an unknown
+    option."""
+    name, *options = family.split("@")
+    fixed = False
+    for option in options:
+        if option in BACKENDS:
+            backend = option
+        elif option == "fixed":
+            fixed = True
+        else:
+            raise ValueError(f"family {family!r}: unknown option {option!r} (a backend of "
+                             f"{', '.join(BACKENDS)}, or fixed)")
+    return name, backend, fixed
 
 
 def matrix_plan(ns) -> list[tuple[int, str, float]]:
@@ -514,7 +539,7 @@ def hf_generate(model_dir: Path, ns, device, dtype) -> dict:
     run(None)  # warm-up
     out = {"hf_unconstrained": run(None)}
     say(f"HF generate batch {batch} unconstrained: {out['hf_unconstrained']}")
-    for family in ns.families:
+    for family in ns.bases:
         schemas = load_schemas(family)
         grammars = [compile_schema(compiler, s) for s in schemas]
         proc = xgr.contrib.hf.LogitsProcessor([grammars[i % len(grammars)] for i in range(batch)])
@@ -625,14 +650,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="directory for serve.txt/json")
     p.add_argument("--concurrency", default="64,256")
     p.add_argument("--ratios", default="0,0.2,0.8,1.0")
-    p.add_argument("--families", default="short,long")
+    p.add_argument("--families", default="short,long",
+                   help="schema families of bench/schemas/, each optionally with request "
+                        "options: name[@backend][@fixed] (fixed: the schemas' own property "
+                        "order), e.g. long,long@fixed,long@xgrammar")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--backend", default="xgrammar", choices=("auto", "xgrammar", "llguidance"),
-                   help="grammar backend the guided requests ask for. xgrammar (the default "
-                        "here): both backends enforce every keyword of bench/schemas, "
-                        "xgrammar's masks are several times cheaper at 151k tokens, and HF "
-                        "runs xgrammar too; auto would take llguidance for exact JSON "
-                        "semantics (escapes inside bounded strings)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="grammar backend the guided requests ask for (a run's family may name "
+                        "another: long@xgrammar). auto, the product's default, takes "
+                        "llguidance for these schemas, with any property order; HF runs "
+                        "xgrammar")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per run")
     p.add_argument("--requests", type=int, default=0, help="instead of --duration")
     p.add_argument("--slots", type=int, default=256)
@@ -683,6 +710,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit(f"--shortcuts: comma-separated settings of {', '.join(SHORTCUTS)}")
     ns.variant_runs = [(int(c), f, float(r)) for c, f, r in
                        (item.split(":") for item in ns.variant_runs.split(",") if item)]
+    try:  # the schema families themselves, for training, HF and --check-schemas
+        ns.bases = list(dict.fromkeys(grammar_variant(f, ns.backend)[0] for f in ns.families))
+        for _, family, _ in ns.variant_runs:
+            if family != "-":
+                grammar_variant(family, ns.backend)
+    except ValueError as exc:
+        raise SystemExit(f"--families / --variant-runs: {exc}") from None
     if ns.tokenizer is None and ns.train_tokenizer:
         ns.tokenizer = ROOT / ".bench" / "tok150k.json"
     return ns
@@ -710,7 +744,7 @@ def main(argv=None) -> int:
 
         if ns.tokenizer is None:
             raise SystemExit("--check-schemas needs --tokenizer (or --train-tokenizer)")
-        report(ns.tokenizer, ns.families, samples=50)
+        report(ns.tokenizer, ns.bases, samples=50)
         return 0
     if ns.tokenizer is None and not ns.tiny:
         raise SystemExit("--tokenizer PATH (or --train-tokenizer) is required without --tiny")
@@ -754,7 +788,7 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
     if ns.train_steps:
         from bench.train_json import train
 
-        trained = train(model_dir, ns.families, steps=ns.train_steps, log=say_line)
+        trained = train(model_dir, ns.bases, steps=ns.train_steps, log=say_line)
         say_line(f"fine-tuned on the schemas: {trained}")
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -794,7 +828,8 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
             addr = stack.start(ns.startup_timeout + 30)
             say_line(f"stack up at {addr} (shortcuts {shortcuts}); metrics {stack.metrics}")
             c = max(ns.concurrency)
-            for family in ns.families:  # compiles every schema, captures the decode graphs
+            # compiles every schema (under each run's options), captures the decode graphs
+            for family in dict.fromkeys(f for _, f, _ in plans[shortcuts] if f != "-"):
                 warm = run_load(addr, c, family, 0.5, ns, duration=0, requests=c,
                                 schema_prompts=bool(ns.train_steps))
                 say_line(f"warm-up c={c} {family}: {warm['ok']}/{warm['requests']} ok, "

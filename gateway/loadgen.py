@@ -111,6 +111,9 @@ def bench_parser(p: argparse.ArgumentParser) -> None:
                    choices=[k.removeprefix("GRAMMAR_BACKEND_").lower()
                             for k in common_pb2.GrammarBackend.keys()],
                    help="grammar backend of the guided requests (GrammarOptions.backend)")
+    p.add_argument("--fixed-property-order", action="store_true",
+                   help="guided requests keep every object's properties in the schema's order "
+                        "(GrammarOptions.fixed_property_order; default: any order)")
     p.add_argument("--schema-prompts", action="store_true",
                    help="guided requests name their schema in the prompt (schema_prompt), as a "
                         "model fine-tuned on the schemas expects (bench/train_json.py)")
@@ -161,6 +164,8 @@ def make_request(i: int, ns, schemas: list[str]) -> tuple[gateway_pb2.GenerateRe
         req.constraint.options.whitespace = common_pb2.WHITESPACE_COMPACT
         req.constraint.options.backend = common_pb2.GrammarBackend.Value(
             f"GRAMMAR_BACKEND_{ns.backend.upper()}")
+        req.constraint.options.fixed_property_order = getattr(ns, "fixed_property_order",
+                                                              False)
     return req, guided
 
 
