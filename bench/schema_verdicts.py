@@ -55,6 +55,7 @@ class Build:
     compile_s: float = 0.0
     build_s: float = 0.0
     matcher: object = field(default=None, repr=False)
+    grammar: object = field(default=None, repr=False)  # the rank's compiled grammar
 
     @property
     def ok(self) -> bool:
@@ -102,7 +103,8 @@ class Judge:
         out.backend, out.unenforced = compiled.backend, compiled.unenforced
         start = time.perf_counter()
         rank = self.ranks[compiled.backend]
-        out.matcher = rank.new_matcher(rank.deserialize(compiled.payload))
+        out.grammar = rank.deserialize(compiled.payload)
+        out.matcher = rank.new_matcher(out.grammar)
         out.build_s = time.perf_counter() - start
         return out
 
