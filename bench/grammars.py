@@ -162,6 +162,15 @@ def vocab_dir(tokenizer_json: Path) -> Path:
     return out
 
 
+def model_dir(tokenizer_json: Path | None) -> Path:
+    """`vocab_dir(tokenizer_json)`, or the embedded default model's directory for None."""
+    if tokenizer_json is not None:
+        return vocab_dir(tokenizer_json)
+    from grammar_service.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
 # ------------------------------------------------------------------------------ the worker
 
 def _worker(model_dir: str, conn) -> None:
@@ -337,16 +346,11 @@ def main(argv=None) -> int:
         export_corpus(ns.export_corpus, commit, corpus)
         print(f"SchemaStore {commit}: {len(corpus)} schemas written to {ns.export_corpus}")
         return 0
-    if ns.tokenizer is not None:
-        model_dir = vocab_dir(ns.tokenizer)
-    else:
-        from grammar_service.default_model import ensure_default_model
-
-        model_dir = ensure_default_model()
+    model = model_dir(ns.tokenizer)
     start = time.perf_counter()
     results: dict[str, list] = {mode: [] for mode in MODES}
     notes = []
-    for entry, rows in zip(corpus, run_all(corpus, model_dir, ns.timeout, ns.jobs), strict=True):
+    for entry, rows in zip(corpus, run_all(corpus, model, ns.timeout, ns.jobs), strict=True):
         for mode, row in zip(MODES, rows, strict=True):
             results[mode].append(row)
             if row is not None and "invalid_silent" in row["verdicts"]:
@@ -355,7 +359,7 @@ def main(argv=None) -> int:
     n_valid = sum(v for e in corpus for _, v in e["instances"])
     from grammar_service.vocab import load_vocab
 
-    vocab = load_vocab(model_dir)
+    vocab = load_vocab(model)
     report = (f"SchemaStore {commit}: {len(corpus)} schemas, {n_inst} instances "
               f"({n_valid} valid, {n_inst - n_valid} invalid per jsonschema + formats); "
               f"vocabulary {vocab.model_vocab_size} tokens; {ns.jobs} job(s) (worker processes, "

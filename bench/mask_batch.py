@@ -94,16 +94,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", default="auto,4,1",
                         help="fill threads of each MaskFiller (auto: the backends' default)")
     ns = parser.parse_args(argv)
-    from grammar_service.default_model import ensure_default_model
+    from bench.grammars import model_dir
     from grammar_service.vocab import load_vocab
 
-    if ns.tokenizer is not None:
-        from bench.grammars import vocab_dir
-
-        model = vocab_dir(ns.tokenizer)
-    else:
-        model = ensure_default_model()
-    judge = Judge(load_vocab(model))
+    judge = Judge(load_vocab(model_dir(ns.tokenizer)))
     vocab = judge.vocab.model_vocab_size
     threads = [t if t == "auto" else int(t) for t in ns.threads.split(",")]
     fillers = {t: MaskFiller(ns.rows, vocab, torch.device("cpu"), t) for t in threads}

@@ -145,15 +145,10 @@ def main(argv=None) -> int:
     parser.add_argument("--corpus", type=Path, default=None,
                         help="a bench/grammars.py --export-corpus file: all its masks instead")
     ns = parser.parse_args(argv)
-    from grammar_service.default_model import ensure_default_model
+    from bench.grammars import model_dir
     from grammar_service.vocab import load_vocab
 
-    if ns.tokenizer is not None:
-        from bench.grammars import vocab_dir
-
-        model = vocab_dir(ns.tokenizer)
-    else:
-        model = ensure_default_model()
+    model = model_dir(ns.tokenizer)
     judge = Judge(load_vocab(model))
     general = Judge(_general_slices(load_vocab(model)))
     if ns.corpus is not None:
