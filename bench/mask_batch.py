@@ -14,11 +14,10 @@ rows' one-thread mask times (the work), the speed-up of the threads over that su
 the slowest single masks are (the instance text before them). Ratios are of one run on one
 machine. `--schemas 1`: every row of one schema, as an application serving one schema.
 
-Known limit of the llguidance column's threads: an LLMatcher's `deep_copy` (how a rank makes
-each request's matcher from the grammar's template) shares the template's lexer behind one
-lock, so masks of the same grammar are computed one at a time whatever the thread count (8
-rows at one expensive position, 2 threads: 8.6 ms from copies of one template, 5.5 ms from
-two templates; in this bench's mixed batches on a 2-core machine, no gain was measured).
+llguidance runs twice: as a rank has it (lanes: `LANES_PER_THREAD` templates per fill thread,
+grammar_service.backends.LLGuidanceGrammar) and with one template, every matcher a copy of
+it (an LLMatcher's `deep_copy` shares its lexer behind one lock: the masks of one grammar
+are then computed one at a time, whatever the threads).
 """
 
 from __future__ import annotations
@@ -40,7 +39,13 @@ from bench.schema_verdicts import Judge  # noqa: E402
 from bench.train_json import instance  # noqa: E402
 from gateway.loadgen import load_schemas  # noqa: E402
 from gpu_worker.guided.masks import MaskFiller  # noqa: E402
-from grammar_service.backends import LLGUIDANCE  # noqa: E402
+from grammar_service.backends import (  # noqa: E402
+    LANES_PER_THREAD,
+    LLGUIDANCE,
+    LLGuidanceBackend,
+    LLGuidanceGrammar,
+    default_fill_threads,
+)
 from protos import common_pb2  # noqa: E402
 
 
@@ -76,10 +81,20 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(p * len(values)))]
 
 
-def settings(judge: Judge, builds: dict) -> dict:
-    """Per backend, per schema (rank backend, compiled grammar)."""
-    return {name: [(judge.ranks[b.backend], b.grammar) for b in builds[mode]]
-            for name, mode in (("xgrammar", "xgrammar"), ("llguidance", "gramserve"))}
+def settings(judge: Judge, builds: dict, threads: list) -> dict:
+    """(name, fill threads) -> per schema (rank backend, compiled grammar): xgrammar;
+    llguidance as a rank has it (`LANES_PER_THREAD` lanes per fill thread); llguidance with
+    one lane (every matcher a copy of one template)."""
+    out = {}
+    for t in threads:
+        n = default_fill_threads() if t == "auto" else t
+        out[("xgrammar", t)] = [(judge.ranks[b.backend], b.grammar) for b in builds["xgrammar"]]
+        for name, lanes in (("llguidance", LANES_PER_THREAD * n), ("llg 1 lane", 1)):
+            backend = LLGuidanceBackend(judge.vocab.llguidance_tokenizer(),
+                                        judge.vocab.eos_token_ids, lanes=lanes)
+            out[(name, t)] = [(backend, LLGuidanceGrammar(b.grammar.grammar))
+                              for b in builds["gramserve"]]
+    return out
 
 
 def main(argv=None) -> int:
@@ -118,15 +133,16 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{family} {mode}: {bad[0]}")
         if any(b.backend != LLGUIDANCE for b in builds["gramserve"]):
             raise SystemExit(f"{family}: gramserve chose xgrammar for some schema")
-        runs = settings(judge, builds)
-        stats = {(name, t): [] for name in runs for t in threads}
+        runs = settings(judge, builds, threads)
+        stats = {key: [] for key in runs}
         work = collections.defaultdict(list)
         slow = collections.defaultdict(collections.Counter)
         for _ in range(ns.batches):
             draws = positions(judge, schemas, ns.rows, rng)
-            for name, setting in runs.items():
+            for name in ("xgrammar", "llguidance"):
                 total = 0.0
-                for m, (_, _, before) in zip(fresh(setting, draws), draws, strict=True):
+                for m, (_, _, before) in zip(fresh(runs[(name, threads[0])], draws), draws,
+                                             strict=True):
                     start = time.perf_counter()
                     m.fill_next_token_bitmask(one, 0)
                     spent = time.perf_counter() - start
@@ -134,21 +150,24 @@ def main(argv=None) -> int:
                     if spent > 3e-4:
                         slow[name][before] += 1
                 work[name].append(total)
-                for t in threads:
-                    stats[(name, t)].append(fillers[t].fill(fresh(setting, draws),
-                                                            list(range(ns.rows))))
+            for (name, t), setting in runs.items():
+                stats[(name, t)].append(fillers[t].fill(fresh(setting, draws),
+                                                        list(range(ns.rows))))
         for (name, t), values in stats.items():
             s = [1e3 * v for v in values]
-            mean_work = 1e3 * sum(work[name]) / len(values)
+            mean_work = 1e3 * sum(work["xgrammar" if name == "xgrammar" else "llguidance"]) \
+                / len(values)
             print(f"{family:6} {name:10} threads {t!s:>4}: {pct(s, .5):6.2f} / "
                   f"{pct(s, .9):6.2f} / {pct(s, .99):6.2f} / {max(s):6.2f} ms   "
                   f"work {mean_work:6.2f} ms   speed-up {mean_work / (sum(s) / len(s)):4.1f}x")
-        for name in runs:
+        for name in ("xgrammar", "llguidance"):
             print(f"       slowest single masks ({name}, > 0.3 ms, text before): "
                   f"{slow[name].most_common(4)}")
         for t in threads:
+            x = sum(stats[("xgrammar", t)])
             print(f"{family:6} threads {t}: llguidance ÷ xgrammar batch fill "
-                  f"{sum(stats[('llguidance', t)]) / sum(stats[('xgrammar', t)]):.2f}")
+                  f"{sum(stats[('llguidance', t)]) / x:.2f}, with one lane "
+                  f"{sum(stats[('llg 1 lane', t)]) / x:.2f}")
     return 0
 
 

@@ -568,3 +568,66 @@ def test_the_fast_meta_check_accepts_the_conformance_suite_schemas_jsonschema_ac
                 cls.check_schema(schema)  # raises if the fast check was wrong
                 checked += 1
     assert checked > 400
+
+
+def _lanes(vocab, lanes: int):
+    """An llguidance rank backend with `lanes` lanes, and a fresh grammar of its own."""
+    from grammar_service.backends import LLGuidanceBackend, LLGuidanceGrammar
+
+    spec = schema_spec({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+        "required": ["name", "n"]})
+    text = VocabView.of(vocab).backends()[LLGUIDANCE].compile(spec).grammar
+    backend = LLGuidanceBackend(vocab.llguidance_tokenizer(), vocab.eos_token_ids, lanes=lanes)
+    return backend, LLGuidanceGrammar(text)
+
+
+def test_llguidance_lanes_grow_only_with_live_matchers_up_to_the_lane_count(vocab):
+    # Copies of one LLMatcher share its lexer behind a lock (their masks are computed one at
+    # a time): a grammar gets another template only where every lane has a live matcher, up
+    # to the backend's lane count; requests one after the other share one.
+    import gc
+
+    backend, grammar = _lanes(vocab, 3)
+    for _ in range(5):
+        backend.new_matcher(grammar)
+        gc.collect()
+    assert [live for _, live in grammar.lanes] == [0]
+    live = [backend.new_matcher(grammar) for _ in range(7)]
+    assert sorted(n for _, n in grammar.lanes) == [2, 2, 3]
+    assert len({id(m._template) for m in live}) == 3
+    del live
+    gc.collect()
+    assert [n for _, n in grammar.lanes] == [0, 0, 0]
+    slow, grammar = _lanes(vocab, 3)
+    slow.lane_build_max_s = 0.0  # a grammar too slow to build keeps one lane
+    held = [slow.new_matcher(grammar) for _ in range(4)]
+    assert len(grammar.lanes) == 1 and grammar.lanes[0][1] == len(held)
+    with pytest.raises(ValueError, match="lanes"):
+        _lanes(vocab, 0)
+
+
+def test_llguidance_lanes_fill_the_masks_each_row_gets_alone(vocab):
+    # Rows of one grammar on different lanes, filled in one parallel batch as a rank fills
+    # them, get exactly the masks a lone matcher of the grammar gets (I4).
+    from gpu_worker.guided.masks import MaskFiller
+
+    backend, grammar = _lanes(vocab, 4)
+    texts = ['{"name": "', '{"name": "ab', '{"name": "abcdef', '{"name": "a", "n": 1',
+             '{"n": 2, "name": "', '{', '{"name": "x"', '{"n": 3']
+    rows = [backend.new_matcher(grammar) for _ in texts]
+    for m, text in zip(rows, texts, strict=True):
+        for token in vocab.encode(text, add_special_tokens=False):
+            assert m.accept_token(token)
+    assert len(grammar.lanes) == 4
+    filler = MaskFiller(len(rows), vocab.model_vocab_size, torch.device("cpu"), 4)
+    filler.fill(rows, list(range(len(rows))))
+    one, alone = _lanes(vocab, 1)
+    words = (vocab.model_vocab_size + 31) // 32
+    for i, text in enumerate(texts):
+        m = one.new_matcher(alone)
+        for token in vocab.encode(text, add_special_tokens=False):
+            assert m.accept_token(token)
+        mask = torch.zeros((1, words), dtype=torch.int32)
+        m.fill_next_token_bitmask(mask, 0)
+        assert torch.equal(filler.host[i], mask[0]), text

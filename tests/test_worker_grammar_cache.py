@@ -259,6 +259,13 @@ def test_no_service_address_means_misses_are_unavailable(vocab):
         WorkerGrammarCache(None, vocab, 0)
 
 
+def test_the_ranks_fill_threads_set_llguidances_lanes(vocab):
+    from grammar_service.backends import LANES_PER_THREAD
+
+    assert WorkerGrammarCache(None, vocab, 1 << 20, fill_threads=3)._backend(
+        "k", "llguidance").lanes == 3 * LANES_PER_THREAD
+
+
 def _acquire_concurrently(cache, service, key, spec, n):
     service.gate = threading.Event()
     results: list = [None] * n

@@ -387,7 +387,8 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
     tls_ca = open(cfg.tls_ca, "rb").read() if cfg.tls_ca else None
     grammars = WorkerGrammarCache(cfg.grammar_service, vocab, cfg.grammar_cache_bytes,
                                   metrics=metrics, fetch_timeout_s=cfg.grammar_fetch_timeout_s,
-                                  tls_ca=tls_ca, tls_identity=_tls_pair(cfg))
+                                  tls_ca=tls_ca, tls_identity=_tls_pair(cfg),
+                                  fill_threads=cfg.mask_fill_threads or None)
     engine = eng.Engine(
         eng.EngineConfig(num_slots=cfg.slots, max_model_len=cfg.max_model_len,
                          step_tokens=cfg.step_tokens,

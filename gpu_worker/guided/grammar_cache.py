@@ -105,17 +105,21 @@ class WorkerGrammarCache:
     `grammar_service_addr` None means no service: every miss raises Unavailable. `metrics`
     is an object with `grammar_cache_hits`, `grammar_cache_misses` (counters) and
     `grammar_cache_bytes` (gauge), e.g. WorkerMetrics, or None. Raises ValueError for a
-    capacity or timeout that is not positive.
+    capacity or timeout that is not positive. `fill_threads`: the rank's mask-fill threads
+    (llguidance grammars keep lanes for them, grammar_service.backends.LLGuidanceGrammar;
+    None: llguidance's default).
     """
 
     def __init__(self, grammar_service_addr: str | None, vocab: Vocab, capacity_bytes: int,
                  metrics=None, fetch_timeout_s: float = 60.0, tls_ca: bytes | None = None,
-                 tls_identity: tuple[bytes, bytes] | None = None):
+                 tls_identity: tuple[bytes, bytes] | None = None,
+                 fill_threads: int | None = None):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes: must be > 0, got {capacity_bytes}")
         if fetch_timeout_s <= 0:
             raise ValueError(f"fetch_timeout_s: must be > 0, got {fetch_timeout_s}")
         self._vocab = vocab
+        self._fill_threads = fill_threads
         self._capacity = capacity_bytes
         self._metrics = metrics
         self._timeout = fetch_timeout_s
@@ -255,7 +259,7 @@ class WorkerGrammarCache:
         with self._lock:
             backend = self._backends.get(name)
             if backend is None:
-                backend = self._backends[name] = backend_for(self._vocab, name)
+                backend = self._backends[name] = backend_for(self._vocab, name, self._fill_threads)
             return backend
 
     def _fetch(self, key: str, spec: common_pb2.GrammarSpec | None) -> tuple[str, bytes]:
