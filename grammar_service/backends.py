@@ -249,7 +249,9 @@ class LLGuidanceGrammar:
     template: object | None = None  # llguidance.LLMatcher
     build_s: float = 0.0  # seconds the template took to build
     lanes: list = field(default_factory=list, repr=False, compare=False)  # [[template, live]]
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # Reentrant: a matcher's finalizer (`_leave`) may run inside a garbage collection that
+    # starts while this thread holds the lock in `new_matcher`.
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
 
 class LLGuidanceBackend:
@@ -363,7 +365,7 @@ LANES_PER_THREAD = 8
 LANE_BUILD_MAX_S = 0.02
 
 
-def _leave(lock: threading.Lock, lane: list) -> None:
+def _leave(lock: threading.RLock, lane: list) -> None:
     """A matcher copied from `lane` is gone (weakref.finalize)."""
     with lock:
         lane[1] -= 1
