@@ -47,6 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gateway.loadgen import BACKEND_NAMES  # noqa: E402
+
 _T0 = time.monotonic()
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -298,11 +300,8 @@ def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, dura
     return json.loads(lines[-1])
 
 
-BACKENDS = ("auto", "xgrammar", "llguidance")
-
-
 def grammar_variant(family: str, backend: str) -> tuple[str, str, bool]:
-    """A family as the runs name it, `name[@option...]` (options: a backend of BACKENDS,
+    """A family as the runs name it, `name[@option...]` (options: a backend of BACKEND_NAMES,
     `fixed` for the schemas' own property order), as (schema family, backend, fixed order);
     `backend` where the name gives none. So one stack serves the same schemas with other
     request options, e.g. `long@fixed`, `long@xgrammar`. Raises ValueError for an unknown
@@ -310,13 +309,13 @@ def grammar_variant(family: str, backend: str) -> tuple[str, str, bool]:
     name, *options = family.split("@")
     fixed = False
     for option in options:
-        if option in BACKENDS:
+        if option in BACKEND_NAMES:
             backend = option
         elif option == "fixed":
             fixed = True
         else:
             raise ValueError(f"family {family!r}: unknown option {option!r} (a backend of "
-                             f"{', '.join(BACKENDS)}, or fixed)")
+                             f"{', '.join(BACKEND_NAMES)}, or fixed)")
     return name, backend, fixed
 
 
@@ -655,7 +654,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "options: name[@backend][@fixed] (fixed: the schemas' own property "
                         "order), e.g. long,long@fixed,long@xgrammar")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--backend", default="auto", choices=BACKENDS,
+    p.add_argument("--backend", default="auto", choices=BACKEND_NAMES,
                    help="grammar backend the guided requests ask for (a run's family may name "
                         "another: long@xgrammar). auto, the product's default, takes "
                         "llguidance for these schemas, with any property order; HF runs "

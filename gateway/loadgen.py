@@ -41,6 +41,10 @@ from protos import common_pb2, gateway_pb2, gateway_pb2_grpc
 from protos.rpc import CHANNEL_OPTIONS, AioBearerInterceptor
 
 # Bounded strings and numbers, so that even a random-weight model finishes them.
+# GrammarOptions.backend by its lower-case name: auto, xgrammar, llguidance
+BACKEND_NAMES = tuple(k.removeprefix("GRAMMAR_BACKEND_").lower()
+                      for k in common_pb2.GrammarBackend.keys())
+
 BUILTIN_SCHEMAS = (
     {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
                                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -108,8 +112,7 @@ def bench_parser(p: argparse.ArgumentParser) -> None:
                    help="built-in schema set: builtin (3 small), short (10-40 tokens), "
                         "long (~100 tokens), from bench/schemas/")
     p.add_argument("--backend", default="auto",
-                   choices=[k.removeprefix("GRAMMAR_BACKEND_").lower()
-                            for k in common_pb2.GrammarBackend.keys()],
+                   choices=BACKEND_NAMES,
                    help="grammar backend of the guided requests (GrammarOptions.backend)")
     p.add_argument("--fixed-property-order", action="store_true",
                    help="guided requests keep every object's properties in the schema's order "

@@ -23,7 +23,7 @@ import torch
 import xgrammar as xgr
 
 from gpu_worker.guided.mask_kernel import apply_token_bitmask_
-from grammar_service.backends import LLGuidanceMatcher
+from grammar_service.backends import LLGuidanceMatcher, default_fill_threads
 
 # Below this many rows of one backend a plain loop beats handing them to a thread pool.
 _BATCH_FILL_MIN_ROWS = 4
@@ -44,7 +44,9 @@ class MaskFiller:
         self.host = torch.full((rows, self.width), -1, dtype=torch.int32, pin_memory=pin)
         self._stage = _Stage(self.host, rows, device)
         self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads)
-        self._llg = llguidance.LLExecutor(None if fill_threads == "auto" else int(fill_threads))
+        # "auto": llguidance's own default, the count its grammars' lanes are sized for
+        self._llg = llguidance.LLExecutor(default_fill_threads() if fill_threads == "auto"
+                                          else int(fill_threads))
 
     def fill(self, matchers: list, slots: list[int]) -> float:
         """Write slot row slots[i] from matchers[i]; return the seconds it took."""
