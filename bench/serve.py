@@ -273,10 +273,11 @@ def metrics_delta(before: dict, after: dict) -> dict[str, float]:
 
 def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, duration: float,
              requests: int = 0, warmup: int = 0, http: str = "",
-             schema_prompts: bool = False) -> dict:
+             schema_prompts: bool = False, twin: int = 0) -> dict:
     """One `gramserve bench --json` run as a subprocess (with a timeout); its summary. With
     `http` (a base URL) the load goes through the OpenAI-compatible API instead of gRPC;
-    `schema_prompts`: guided prompts name their schema (a model fine-tuned on them)."""
+    `schema_prompts`: guided prompts name their schema (a model fine-tuned on them); `twin`:
+    the guided requests sent without their grammar, `twin` tokens each (--unguided-twin)."""
     processes = max(1, min(ns.client_processes, concurrency // 16 or 1))
     family, backend, fixed = grammar_variant(family, ns.backend)
     cmd = [sys.executable, "-m", "gateway.cli", "bench", "--addr", addr, "--json",
@@ -289,6 +290,8 @@ def run_load(addr: str, concurrency: int, family: str, ratio: float, ns, *, dura
         cmd.append("--fixed-property-order")
     if schema_prompts:
         cmd.append("--schema-prompts")
+    if twin:
+        cmd += ["--unguided-twin", str(twin)]
     cmd += ["--duration", str(duration)] if duration else ["--requests", str(requests)]
     cmd += ["--http", http] if http else []
     budget = (duration or 0) + ns.request_timeout * (2 + warmup + requests / concurrency) + 120
@@ -383,6 +386,22 @@ def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
                      f"finish {summary['finish_reasons']}, "
                      f"tokens/delta {summary['tokens_per_delta']:.2f}, "
                      f"cpu cores {row['cpu_cores']}, worker {row['worker']}")
+            if ns.twins and ratio == 1.0 and summary["requests_per_second"]:
+                # The same requests without their grammar, as long as the guided answers
+                # were on average: what the grammar itself costs, per-request work equal.
+                n = max(1, round(summary["output_tokens_per_second"]
+                                 / summary["requests_per_second"]))
+                t0 = time.monotonic()
+                twin = run_load(addr, c, family, ratio, ns, duration=ns.duration,
+                                requests=ns.requests, schema_prompts=bool(ns.train_steps),
+                                twin=n)
+                rows.append({"concurrency": c, "family": f"{family} twin", "ratio": 0.0,
+                             "shortcuts": shortcuts, "round": rnd, "twin": n, **twin,
+                             "worker": {}, "wall_s": time.monotonic() - t0, "cpu_cores": {}})
+                say_line(f"run round={rnd} shortcuts={shortcuts} c={c} family={family} "
+                         f"unguided twin ({n} tokens each): "
+                         f"{twin['output_tokens_per_second']:.0f} tok/s, "
+                         f"{twin['ok']}/{twin['requests']} ok, errors {twin['errors']}")
     return rows
 
 
@@ -565,7 +584,7 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     # guided ÷ unguided against the unguided run of the same shortcuts setting and round
     plain = {(r["concurrency"], r.get("shortcuts"), r.get("round", 1)):
-             r["output_tokens_per_second"] for r in rows if r["ratio"] == 0}
+             r["output_tokens_per_second"] for r in rows if r["ratio"] == 0 and "twin" not in r}
     rounds = max((r.get("round", 1) for r in rows), default=1)
     hf_plain = hf.get("hf_unconstrained", {}).get("tokens_per_s")
     for r in rows:
@@ -610,7 +629,7 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
         lines.append(f"| {max(r['concurrency'] for r in rows) if rows else '–'} | load generator "
                      f"alone (fake gateways) | 0% | – | {client['output_tokens_per_second']:,.0f} |"
                      f"{blank}")
-    return "\n".join(lines + settings_ratios(rows))
+    return "\n".join(lines + settings_ratios(rows) + twin_ratios(rows))
 
 
 def settings_ratios(rows: list[dict]) -> list[str]:
@@ -628,6 +647,28 @@ def settings_ratios(rows: list[dict]) -> list[str]:
                 each = ", ".join(f"{x:.2f}" for x in pairs)
                 out.append(f"shortcuts {setting} ÷ off, c={c} {fam} {ratio:.0%} guided: "
                            f"{statistics.median(pairs):.2f} (rounds: {each})")
+    return ["", *out] if out else []
+
+
+def twin_ratios(rows: list[dict]) -> list[str]:
+    """Lines 'guided ÷ unguided twin' per guided run with a twin (--twins): output tokens/s
+    of the guided run over its twin's, same round and setting, and their median."""
+    tps = {(r["concurrency"], r["family"], r.get("shortcuts"), r.get("round", 1)):
+           r["output_tokens_per_second"] for r in rows}
+    pairs: dict[tuple, list[float]] = {}
+    for r in rows:
+        if "twin" in r and r["output_tokens_per_second"]:
+            fam = r["family"].removesuffix(" twin")
+            key = (r["concurrency"], fam, r.get("shortcuts"))
+            guided = tps.get((r["concurrency"], fam, r.get("shortcuts"), r.get("round", 1)))
+            if guided:
+                pairs.setdefault(key, []).append(
+                    (guided / r["output_tokens_per_second"], r["twin"]))
+    out = [f"guided ÷ unguided twin (the same requests without their grammar, the guided "
+           f"answers' mean length, ignore_eos), c={c} {fam} shortcuts {setting}: "
+           f"{statistics.median(x for x, _ in v):.2f} (rounds: "
+           f"{', '.join(f'{x:.2f} at {n} tokens' for x, n in v)})"
+           for (c, fam, setting), v in pairs.items()]
     return ["", *out] if out else []
 
 
@@ -692,6 +733,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=0,
                    help="fine-tune the checkpoint on the schemas first (bench/train_json.py), "
                         "at most this many steps; guided prompts then name their schema")
+    p.add_argument("--twins", action="store_true",
+                   help="after each 100%% guided run, its unguided twin: the same requests "
+                        "without their grammar, each as long as the guided answers were on "
+                        "average (gramserve bench --unguided-twin)")
     p.add_argument("--client-check-only", action="store_true",
                    help="only measure the load generator against fake gateways; exit")
     ns = p.parse_args(argv)

@@ -120,6 +120,11 @@ def bench_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schema-prompts", action="store_true",
                    help="guided requests name their schema in the prompt (schema_prompt), as a "
                         "model fine-tuned on the schemas expects (bench/train_json.py)")
+    p.add_argument("--unguided-twin", type=int, default=0, metavar="N",
+                   help="the same requests without their grammar: drawn as the guided ones "
+                        "(prompt, schema prompt, seed), sent with no constraint, ignore_eos and "
+                        "max_tokens N (the guided run's mean answer length): the same work, "
+                        "less the grammar's cost")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
@@ -169,6 +174,11 @@ def make_request(i: int, ns, schemas: list[str]) -> tuple[gateway_pb2.GenerateRe
             f"GRAMMAR_BACKEND_{ns.backend.upper()}")
         req.constraint.options.fixed_property_order = getattr(ns, "fixed_property_order",
                                                               False)
+        if getattr(ns, "unguided_twin", 0):
+            req.ClearField("constraint")
+            req.sampling.max_tokens = ns.unguided_twin
+            req.sampling.ignore_eos = True
+            guided = False
     return req, guided
 
 
@@ -325,6 +335,10 @@ def _check(ns) -> None:
         raise ValueError("--duration and --warmup must be >= 0")
     if ns.streams_per_connection < 1:
         raise ValueError("--streams-per-connection must be >= 1")
+    if ns.unguided_twin < 0:
+        raise ValueError("--unguided-twin must be >= 0")
+    if ns.unguided_twin and ns.http:
+        raise ValueError("--unguided-twin: the HTTP API run has no ignore_eos; use gRPC")
     if not 1 <= ns.processes <= ns.concurrency:
         raise ValueError("--processes must be in [1, --concurrency]")
     if ns.http:

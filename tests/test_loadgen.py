@@ -73,6 +73,22 @@ def test_request_mix_does_not_depend_on_the_process_split():
     assert warm == [-5, -4, -3, -2, -1]  # warm-up requests never reuse timed indices
 
 
+def test_unguided_twin_is_the_guided_request_without_its_grammar():
+    ns = _ns(structured_ratio=1.0, seed=5, schema_prompts=True, max_tokens=128)
+    schemas = loadgen.load_schemas("short")
+    guided = [loadgen.make_request(i, ns, schemas) for i in range(48)]
+    ns.unguided_twin = 17
+    twins = [loadgen.make_request(i, ns, schemas) for i in range(48)]
+    for (g, was_guided), (t, twin_guided) in zip(guided, twins, strict=True):
+        assert was_guided and not twin_guided
+        assert not t.HasField("constraint") and g.HasField("constraint")
+        assert t.prompt == g.prompt == loadgen.schema_prompt(g.constraint.json_schema)
+        assert t.sampling.seed == g.sampling.seed
+        assert (t.sampling.max_tokens, t.sampling.ignore_eos) == (17, True)
+        assert (g.sampling.max_tokens, g.sampling.ignore_eos) == (128, False)
+    assert len({t.prompt for t, _ in twins}) > 1  # the schemas' prompts, not one
+
+
 class _FakeGateway(gateway_pb2_grpc.GatewayServicer):
     """Streams max_tokens tokens two per delta; guided requests end GRAMMAR_COMPLETED."""
 
@@ -127,6 +143,8 @@ def test_bench_exit_status_is_1_when_the_server_is_gone(capsys):
 @pytest.mark.parametrize("kw,words", [
     (dict(http="localhost:8000"), "--http"),
     (dict(http="http://127.0.0.1:8000", backend="xgrammar"), "--backend"),
+    (dict(http="http://127.0.0.1:8000", unguided_twin=16), "--unguided-twin"),
+    (dict(unguided_twin=-1), "--unguided-twin"),
 ])
 def test_http_mode_flag_errors_name_the_flag(kw, words):
     with pytest.raises(ValueError, match=words):
