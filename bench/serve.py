@@ -349,59 +349,56 @@ SHORTCUTS = {"on": (True, True), "off": (False, False), "forced": (True, False),
 
 def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
                rnd: int = 1) -> list[dict]:
-    """Every (concurrency, family, ratio) run of `plan`; returns one row dict each."""
+    """Every (concurrency, family, ratio) run of `plan` (and, with --twins, each 100 % guided
+    run's unguided twin right after it); returns one row dict each."""
     worker_url = next((u for k, u in stack.metrics.items() if "rank 0" in k), None)
     pids = roles(stack.proc.pid)
     rows = []
+
+    def measured(c: int, family: str, ratio: float, twin: int = 0) -> dict:
+        before = scrape(worker_url) if worker_url else {}
+        cpu0 = cpu_seconds(pids)
+        t0 = time.monotonic()
+        spies = (start_profile(pids, ns, f"{shortcuts}-r{rnd}-c{c}-{family}-{ratio:g}")
+                 if f"{c}:{family}:{ratio:g}" in ns.profile and not twin else [])
+        summary = run_load(addr, c, "short" if family == "-" else family, ratio, ns,
+                           duration=ns.duration, requests=ns.requests,
+                           schema_prompts=bool(ns.train_steps), twin=twin)
+        wall = time.monotonic() - t0
+        cpu1 = cpu_seconds(pids)
+        after = scrape(worker_url) if worker_url else {}
+        for spy in spies:
+            try:
+                spy.wait(30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+        # CPU cores each process kept busy over the run (1.0 = one core saturated)
+        cores = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 2) for k in cpu1}
+        gw = [v for k, v in cores.items() if k.startswith("gateway")]
+        cores.update(gateways_sum=round(sum(gw), 2), gateways_max=max(gw, default=0.0))
+        row = {"concurrency": c, "family": f"{family} twin" if twin else family,
+               "ratio": 0.0 if twin else ratio, "shortcuts": shortcuts, "round": rnd,
+               **summary, "worker": metrics_delta(before, after), "wall_s": wall,
+               "cpu_cores": cores}
+        if twin:
+            row["twin"] = twin
+        say_line(f"run round={rnd} shortcuts={shortcuts} c={c} family={row['family']} "
+                 f"ratio={row['ratio']}{f' ({twin} tokens each)' if twin else ''}: "
+                 f"{summary['output_tokens_per_second']:.0f} tok/s, "
+                 f"{summary['ok']}/{summary['requests']} ok, errors {summary['errors']}, "
+                 f"finish {summary['finish_reasons']}, "
+                 f"tokens/delta {summary['tokens_per_delta']:.2f}, "
+                 f"cpu cores {row['cpu_cores']}, worker {row['worker']}")
+        return row
+
     for c, family, ratio in plan:
-        if True:
-            before = scrape(worker_url) if worker_url else {}
-            cpu0 = cpu_seconds(pids)
-            t0 = time.monotonic()
-            spies = (start_profile(pids, ns, f"{shortcuts}-r{rnd}-c{c}-{family}-{ratio:g}")
-                     if f"{c}:{family}:{ratio:g}" in ns.profile else [])
-            summary = run_load(addr, c, "short" if family == "-" else family, ratio, ns,
-                               duration=ns.duration, requests=ns.requests,
-                               schema_prompts=bool(ns.train_steps))
-            wall = time.monotonic() - t0
-            cpu1 = cpu_seconds(pids)
-            after = scrape(worker_url) if worker_url else {}
-            for spy in spies:
-                try:
-                    spy.wait(30)
-                except subprocess.TimeoutExpired:
-                    spy.kill()
-            # CPU cores each process kept busy over the run (1.0 = one core saturated)
-            cores = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 2) for k in cpu1}
-            gw = [v for k, v in cores.items() if k.startswith("gateway")]
-            cores.update(gateways_sum=round(sum(gw), 2), gateways_max=max(gw, default=0.0))
-            row = {"concurrency": c, "family": family, "ratio": ratio, "shortcuts": shortcuts,
-                   "round": rnd, **summary,
-                   "worker": metrics_delta(before, after), "wall_s": wall, "cpu_cores": cores}
-            rows.append(row)
-            say_line(f"run round={rnd} shortcuts={shortcuts} c={c} family={family} "
-                     f"ratio={ratio}: "
-                     f"{summary['output_tokens_per_second']:.0f} tok/s, "
-                     f"{summary['ok']}/{summary['requests']} ok, errors {summary['errors']}, "
-                     f"finish {summary['finish_reasons']}, "
-                     f"tokens/delta {summary['tokens_per_delta']:.2f}, "
-                     f"cpu cores {row['cpu_cores']}, worker {row['worker']}")
-            if ns.twins and ratio == 1.0 and summary["requests_per_second"]:
-                # The same requests without their grammar, as long as the guided answers
-                # were on average: what the grammar itself costs, per-request work equal.
-                n = max(1, round(summary["output_tokens_per_second"]
-                                 / summary["requests_per_second"]))
-                t0 = time.monotonic()
-                twin = run_load(addr, c, family, ratio, ns, duration=ns.duration,
-                                requests=ns.requests, schema_prompts=bool(ns.train_steps),
-                                twin=n)
-                rows.append({"concurrency": c, "family": f"{family} twin", "ratio": 0.0,
-                             "shortcuts": shortcuts, "round": rnd, "twin": n, **twin,
-                             "worker": {}, "wall_s": time.monotonic() - t0, "cpu_cores": {}})
-                say_line(f"run round={rnd} shortcuts={shortcuts} c={c} family={family} "
-                         f"unguided twin ({n} tokens each): "
-                         f"{twin['output_tokens_per_second']:.0f} tok/s, "
-                         f"{twin['ok']}/{twin['requests']} ok, errors {twin['errors']}")
+        row = measured(c, family, ratio)
+        rows.append(row)
+        if ns.twins and ratio == 1.0 and row["requests_per_second"]:
+            # The same requests without their grammar, as long as the guided answers were
+            # on average: what the grammar itself costs, the per-request work equal.
+            rows.append(measured(c, family, ratio, twin=max(1, round(
+                row["output_tokens_per_second"] / row["requests_per_second"]))))
     return rows
 
 
