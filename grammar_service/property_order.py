@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import re
+from json.encoder import encode_basestring as _quote  # json.dumps(str, ensure_ascii=False)
 
 _WS = r"[\x20\x0A\x0D\x09]"
 # A JSON string without \u or \/ escapes: every such string has one spelling.
@@ -142,6 +143,12 @@ class _Rewriter:
         self.embeds: dict[str, str] = {}  # embedded JSON text -> rule name
         self.terminals: dict[str, str] = {}  # terminal body -> name
         self.objects = 0  # object rules written (the rewrite's point)
+        # The keys `embed` adds to every embedded node, as JSON text: ',"$schema":...,'
+        # '"x-guidance":{...}'.
+        tail = {"x-guidance": x_guidance}
+        if "$schema" in schema:
+            tail = {"$schema": schema["$schema"], **tail}
+        self._tail = "," + json.dumps(tail, ensure_ascii=False, separators=(",", ":"))[1:-1]
         text = json.dumps(schema) if text is None else text
         self.budget = max(MIN_BUDGET, SIZE_FACTOR * len(text))
         self.size = 0
@@ -217,7 +224,8 @@ class _Rewriter:
             return None
         if types is not None:
             values = [v for v in values if any(_of_type(v, t) for t in types)]
-        texts = dict.fromkeys(json.dumps(v, ensure_ascii=False) for v in values)
+        texts = dict.fromkeys(_quote(v) if type(v) is str else json.dumps(v, ensure_ascii=False)
+                              for v in values)
         if not texts:
             return None  # nothing allowed: llguidance says so
         return self.terminal(" | ".join(_lark_string(t) for t in texts))
@@ -279,7 +287,7 @@ class _Rewriter:
                 value = self.node(f"{pointer}/additionalProperties", extra)
             else:
                 value = self.embed(True)
-            listed = _lark_string(json.dumps(key, ensure_ascii=False))
+            listed = _lark_string(_quote(key))
             members.append(f'{listed} ":" {value} {rest}::set_bit({bit}) %if bit_clear({bit})')
         if extra is not False:
             value = (self.node(f"{pointer}/additionalProperties", extra)
@@ -343,6 +351,10 @@ class _Rewriter:
         else:
             doc = {} if node is True else {"not": {}}
         text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+        if '"$ref"' not in text and "$schema" not in doc:
+            # What the dump below writes, without a second dump: the same keys appended.
+            text = ("{" + self._tail[1:] if text == "{}" else text[:-1] + self._tail) + "}"
+            return self._embedded(text)
         if '"$ref"' in text:
             # Every target the node reaches travels with it under $defs, named by its
             # pointer, and every reference is rewritten to it: a target anywhere in the
@@ -358,7 +370,9 @@ class _Rewriter:
         if "$schema" in self.root:
             doc["$schema"] = self.root["$schema"]
         doc["x-guidance"] = self.x_guidance
-        text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+        return self._embedded(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
+
+    def _embedded(self, text: str) -> str:
         if text not in self.embeds:
             name = self.embeds[text] = f"j{len(self.embeds)}"
             self._add(name, f"{name}: %json {text}")
@@ -405,12 +419,12 @@ def _escape(key: str) -> str:
 
 def _lark_string(text: str) -> str:
     """A Lark string literal matching `text` exactly."""
-    return json.dumps(text, ensure_ascii=False)
+    return _quote(text)
 
 
 def _names_regex(names: list[str]) -> str:
     """A regex (inside /.../) matching exactly the listed names as JSON strings."""
-    quoted = (re.escape(json.dumps(n, ensure_ascii=False)) for n in names)
+    quoted = (re.escape(_quote(n)) for n in names)
     return "(?:" + "|".join(quoted).replace("/", "\\/") + ")"
 
 
