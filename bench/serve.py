@@ -239,7 +239,8 @@ def scrape(url: str) -> dict[str, float]:
             out[name + (f":{labels['phase']}" if "phase" in labels else "")] = float(value)
         elif (name in ("gramserve_worker_forced_tokens_total", "gramserve_worker_mask_fills_total",
                        "gramserve_worker_accept_first_total", "gramserve_worker_resamples_total",
-                       "gramserve_worker_decode_row_forwards_total")
+                       "gramserve_worker_decode_row_forwards_total",
+                       "gramserve_worker_forced_chain_rounds_total")
               or (name == "gramserve_worker_tokens_total" and labels.get("kind") == "generated")):
             key = "counter:" + name.removeprefix("gramserve_worker_").removesuffix("_total")
             out[key] = float(value)
@@ -257,6 +258,9 @@ def metrics_delta(before: dict, after: dict) -> dict[str, float]:
                           ("accept_first_per_token", "accept_first"),
                           ("resamples_per_token", "resamples")):
             out[name] = round(d.get(f"counter:{key}", 0.0) / generated, 4)
+    steps = sum(n for k, n in d.items() if k.startswith("gramserve_worker_step_seconds_count"))
+    if steps > 0:  # fill rounds on the critical path that followed forced chains
+        out["chain_rounds_per_step"] = round(d.get("counter:forced_chain_rounds", 0.0) / steps, 4)
     for key, n in d.items():
         if not key.startswith("gramserve_worker_") or "_count" not in key or n <= 0:
             continue
@@ -342,9 +346,11 @@ def interleave(plans: dict[str, list], rounds: int):
                     yield rnd, run, name
 
 
-# --shortcuts settings: (forced tokens, accept-first) of the worker
-SHORTCUTS = {"on": (True, True), "off": (False, False), "forced": (True, False),
-             "accept-first": (False, True)}
+# --shortcuts settings: (forced tokens, accept-first, forced round cost) of the worker; the
+# round cost None is the worker's default, 0 follows every forced chain at once (every round)
+SHORTCUTS = {"on": (True, True, None), "off": (False, False, None),
+             "forced": (True, False, None), "accept-first": (False, True, None),
+             "every-round": (True, True, 0.0)}
 
 
 def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
@@ -721,7 +727,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shortcuts", default="on,off",
                    help="worker forced tokens and accept-first, one stack per setting: on, "
                         "off, forced (forced tokens only), accept-first (accept-first only), "
-                        "comma-separated; stacks after the first run --variant-runs")
+                        "every-round (both on, every forced chain followed at once: "
+                        "--forced-round-cost 0), comma-separated; stacks after the first run "
+                        "--variant-runs")
     p.add_argument("--variant-runs", default="64:-:0,64:short:1,64:long:1,256:long:1",
                    help="c:family:ratio runs of the second --shortcuts setting")
     p.add_argument("--rounds", type=int, default=1,
@@ -859,9 +867,11 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
     try:
         for shortcuts in ns.shortcuts:
             # The worker's --forced-tokens / --accept-first, through their GRAMSERVE_ variables.
-            forced, accept_first = SHORTCUTS[shortcuts]
+            forced, accept_first, round_cost = SHORTCUTS[shortcuts]
             variant_env = dict(env, GRAMSERVE_FORCED_TOKENS=str(int(forced)),
                                GRAMSERVE_ACCEPT_FIRST=str(int(accept_first)))
+            if round_cost is not None:
+                variant_env["GRAMSERVE_FORCED_ROUND_COST"] = str(round_cost)
             plans[shortcuts] = (matrix_plan(ns) if shortcuts == ns.shortcuts[0]
                                 else ns.variant_runs)
             stack = stacks[shortcuts] = Stack(args, variant_env, out / f"stack-{shortcuts}.log")

@@ -44,6 +44,7 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
     reflection: str = "on"
     drain_timeout_s: float = 30.0
+    forced_round_cost: float = 1 / 16
 
     def __post_init__(self):
         checks = [
@@ -72,6 +73,7 @@ class WorkerConfig:
              "needs --tls-cert and --tls-key (mutual TLS is TLS first)"),
             (self.reflection in ("on", "off"), "reflection", "must be on or off"),
             (self.drain_timeout_s >= 0, "drain-timeout", "must be >= 0"),
+            (self.forced_round_cost >= 0, "forced-round-cost", "must be >= 0"),
         ]
         for ok, flag, why in checks:
             if not ok:
@@ -147,6 +149,11 @@ def parser() -> argparse.ArgumentParser:
                    help="after two forced tokens in a row, take the rest of the chain of "
                         "tokens the grammar allows alone without sampling, in one step (same "
                         "output; --no-forced-tokens turns it off)")
+    p.add_argument("--forced-round-cost", type=float, default=e("forced_round_cost", 1 / 16),
+                   help="what a fill round that follows forced chains within a step costs, as "
+                        "a share of a step: a round runs only where the rows taking forced "
+                        "tokens, times how often such a token was followed by another, reach "
+                        "this share of the batch's rows (0 = always follow a chain at once)")
     p.add_argument("--accept-first", action=argparse.BooleanOptionalAction,
                    type=_flag, default=e("accept_first", True),
                    help="sample greedy and temperature-only guided rows unmasked first and "

@@ -54,6 +54,11 @@ class WorkerMetrics:
             "Chains of forced tokens taken without sampling, each fed to its row's next "
             "forward as one chunk.",
             registry=registry)
+        self.forced_chain_rounds = Counter(
+            "gramserve_worker_forced_chain_rounds_total",
+            "Fill rounds run after a step's batch to follow forced chains in the same step "
+            "(each on the critical path of its step).",
+            registry=registry)
         self.accept_first_sampled = Counter(
             "gramserve_worker_accept_first_total",
             "Guided tokens sampled unmasked first (accept-first).", registry=registry)

@@ -242,12 +242,12 @@ def test_a_refused_row_is_sampled_one_sampling_point_later_and_no_row_waits_for_
     release = threading.Event()
     held = []
 
-    def prepare(masks, scan, jobs):  # the refused rows' own job waits for `release`
+    def prepare(masks, scan, jobs, rounds):  # the refused rows' own job waits for `release`
         if any(engine.runs.get(j.slot) is not None and engine.runs[j.slot].redo is not None
                for j in jobs):
             held.append([j.slot for j in jobs])
             release.wait(30)
-        return engine_mod_prepare(masks, scan, jobs)
+        return engine_mod_prepare(masks, scan, jobs, rounds)
 
     engine_mod_prepare = engine_mod.prepare
     monkeypatch.setattr(engine_mod, "prepare", prepare)
@@ -288,3 +288,84 @@ def test_a_refused_row_is_sampled_one_sampling_point_later_and_no_row_waits_for_
     plain = EngineHarness(model_dir, slots=8, forced_tokens=False, accept_first=False)
     again = plain.run([request(i) for i in range(8)])
     assert tokens == {rid: outcome.tokens for rid, outcome in again.items()}
+
+
+def _forced_rows(vocab, n):
+    """n xgrammar matchers of FORCED_REGEX just past its two free letters: from there on the
+    grammar allows one token at a time (12 forced tokens, then the end)."""
+    compiled = xgr.GrammarCompiler(vocab.tokenizer_info(), max_threads=1).compile_regex(
+        FORCED_REGEX)
+    rows = []
+    for _ in range(n):
+        m = xgr.GrammarMatcher(compiled)
+        for token in vocab.encode("ab")[1:]:  # past the BOS
+            assert m.accept_token(token)
+        rows.append(m)
+    return rows
+
+
+def test_chain_rounds_run_only_where_they_pay(model_dir):
+    """`prepare` follows a chain within one job only while `ChainRounds` says a round pays:
+    enough rows of the batch took a forced token, weighted by how often one went on. Where
+    it does not, each row takes one forced token and no fill after it (its next fill joins
+    the next batch), and the next job's scan tells the policy that the chain went on. The
+    tokens taken are the same either way: only how many one job takes changes."""
+    import torch
+
+    from gpu_worker.guided.forced import ChainRounds, ForcedScan, RowJob, prepare
+    from gpu_worker.guided.masks import MaskFiller
+    from grammar_service.vocab import load_vocab
+
+    vocab = load_vocab(model_dir)
+    rows = 48
+    # The bitmask is as wide as the model's vocabulary (padded ids included), as on a rank.
+    filler = MaskFiller(rows, vocab.tokenizer_info().vocab_size, torch.device("cpu"),
+                        fill_threads=1)
+    scan = ForcedScan(vocab.vocab_size, filler.width)
+
+    def jobs(matchers, chained=(), budget=100):
+        return [RowJob(m, slot, budget if m is not None else 0, frozenset(vocab.eos_token_ids),
+                       after_forced=slot in chained) for slot, m in enumerate(matchers)]
+
+    other = xgr.GrammarCompiler(vocab.tokenizer_info(), max_threads=1).compile_regex("[a-z]+")
+
+    def batch(chaining):
+        ms = _forced_rows(vocab, chaining) + [xgr.GrammarMatcher(other)
+                                              for _ in range(rows - chaining)]
+        return ms, jobs(ms)
+
+    # No policy (or a free round): every chain is followed to its end in one job.
+    ms, js = batch(2)
+    _, fills, extra = prepare(filler, scan, js)
+    assert [len(j.chain) for j in js[:2]] == [12, 12] and extra == 12
+    assert all(not j.chain for j in js[2:]) and fills == rows + 2 * 12
+    whole = js[0].chain
+    # 2 of 48 rows chaining, a round costing 1/16 of a step: 2 * 1.0 < 3, no round.
+    policy = ChainRounds(1 / 16)
+    ms, js = batch(2)
+    _, fills, extra = prepare(filler, scan, js, policy)
+    assert [len(j.chain) for j in js[:2]] == [1, 1] and extra == 0 and fills == rows
+    assert not js[0].filled and js[2].filled and policy.goes_on == 1.0
+    # The next job of those rows (fills them first) sees their chains go on: observed.
+    taken = [js[0].chain[0]]
+    for _ in range(11):
+        nxt = jobs(ms, chained={0, 1})
+        prepare(filler, scan, nxt, policy)
+        assert len(nxt[0].chain) == 1
+        taken += nxt[0].chain
+    assert taken == whole and policy.goes_on == 1.0
+    nxt = jobs(ms, chained={0, 1})  # past the last forced token: the chain ended
+    prepare(filler, scan, nxt, policy)
+    assert not nxt[0].chain and policy.goes_on < 1.0
+    # 8 of 48 rows chaining: 8 * goes_on >= 3, rounds follow the chains at once.
+    policy = ChainRounds(1 / 16)
+    ms, js = batch(8)
+    _, fills, extra = prepare(filler, scan, js, policy)
+    assert all(j.chain == whole for j in js[:8]) and extra == 12
+    # A policy that has seen chains stop after one token stops paying for rounds.
+    for _ in range(64):
+        policy.observe(False)
+    ms, js = batch(8)
+    _, _, extra = prepare(filler, scan, js, policy)
+    assert all(len(j.chain) == 1 for j in js[:8]) and extra == 0
+    assert ChainRounds(0.0).worth(1, 1000)  # a free round always runs

@@ -20,9 +20,12 @@ Two shortcuts do less work for exactly the same tokens (each can be turned off):
   the critical path per token (gpu_worker.guided.forced has the arithmetic). So a row samples
   the first forced token like any other, and the device notes that its masked logits had
   that one token left (the note travels with the token). After two forced tokens in a row
-  the row's next job scans its fresh mask and follows the chain at once (accept, fill again)
-  while the grammar allows one token. Taken tokens are emitted at once and fed to the row's
-  next forward as one chunk. Rows without two forced tokens last pay for no scan. A row
+  the row's next job scans its fresh mask and takes the one allowed token, then follows the
+  chain at once (fill again, accept) while the grammar allows one token and such a round
+  pays (`forced_round_cost`: rows that took a token, times how often a taken token was
+  followed by another, against the batch's rows). Taken tokens are emitted at once and fed
+  to the row's next forward as one chunk. Rows without two forced tokens last pay for no
+  scan. A row
   asking for unconstrained logprobs takes no forced tokens: they were never run through the
   model at their own positions, so it samples each one (the same token: the only one
   allowed).
@@ -75,7 +78,7 @@ import torch
 
 from gpu_worker.control.lockstep import ControlChannel, diverged_rows
 from gpu_worker.control.slots import Entry, SlotTable
-from gpu_worker.guided.forced import ForcedScan, RowJob, prepare, single_allowed
+from gpu_worker.guided.forced import ChainRounds, ForcedScan, RowJob, prepare, single_allowed
 from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
 from gpu_worker.sampling.sampler import SamplingBatch, SamplingFlags, sample
@@ -287,6 +290,9 @@ class EngineConfig:
     cuda_graph_max_tokens: int = 0
     mask_fill_threads: int = 0       # xgrammar's batch fill threads (0 = one per core)
     forced_tokens: bool = True       # follow single-allowed tokens without sampling
+    # A chain round (fill at once to follow a chain in the same step) costs about this share
+    # of a step; rounds run only where they save more (gpu_worker.guided.forced.ChainRounds).
+    forced_round_cost: float = 1 / 16
     accept_first: bool = True        # sample temperature-only guided rows unmasked first
     accept_first_max_backoff: int = 64
     drain_timeout_s: float = 30.0    # after drain(): running rows finish within this
@@ -326,6 +332,7 @@ class Engine:
         self.masks = MaskFiller(cfg.num_slots, model_vocab_size, device,
                                 fill_threads=cfg.mask_fill_threads or "auto")
         self.scan = ForcedScan(vocab_size, self.masks.width) if cfg.forced_tokens else None
+        self.chain_rounds = ChainRounds(cfg.forced_round_cost)
         self.stats: Counter[str] = Counter()
         # Refused accept-first rows: those of the last commit (`_redo_next`) are sampled again
         # one sampling point later (`_redo`), when their fill has had a forward's time to run.
@@ -690,11 +697,14 @@ class Engine:
         thread runs jobs in order, so a row's newest job finishes last."""
         seconds = 0.0
         for job in dict.fromkeys(j for j in jobs if j is not None):
-            spent, fills = job.result()
+            spent, fills, rounds = job.result()
             seconds += spent
             self.stats["mask_fills"] += fills
+            self.stats["chain_rounds"] += rounds
             if self.metrics is not None and fills:
                 self.metrics.mask_fills.inc(fills)
+                if rounds:
+                    self.metrics.forced_chain_rounds.inc(rounds)
         return seconds
 
     def _unmasked(self, logits: torch.Tensor, rows: list[Run]) -> torch.Tensor | None:
@@ -818,9 +828,9 @@ class Engine:
             if forced and r.forced_run > 1 and not r.req.unconstrained_logprobs:
                 budget = max(0, min(r.req.max_tokens - r.known,
                                     self.cfg.max_model_len - r.prefilled - r.known))
-            jobs.append(RowJob(r.req.matcher, r.slot, budget, r.stops))
+            jobs.append(RowJob(r.req.matcher, r.slot, budget, r.stops, after_forced=r.chained))
         scan = self.scan if forced and any(j.budget for j in jobs) else None
-        future = self._fill_pool.submit(prepare, self.masks, scan, jobs)
+        future = self._fill_pool.submit(prepare, self.masks, scan, jobs, self.chain_rounds)
         for r, job in zip(runs, jobs, strict=True):
             r.job, r.prep, r.chained = future, job, False
 

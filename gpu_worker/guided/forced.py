@@ -21,14 +21,25 @@ no host scan):
   of a chain is sampled like the first (taking it from the mask instead would save no step:
   its forward is already running);
 - two or more: the job counts the bits of the fresh mask (`ForcedScan`, about two
-  microseconds a row) and follows the chain at once (accept, fill again) while the grammar
-  allows one token, and the row feeds the rest as one chunk: a chain of n saves n - 3 steps.
+  microseconds a row) and takes the one allowed token (accept) in place of sampling it; the
+  row feeds it at its next forward. Taking one token so saves no step and costs no fill
+  (the row's next fill joins the next step's batch). A further round (fill again at once,
+  take the next forced token in the same step) saves a step for each row whose next token
+  is forced too, and costs the whole batch one more fill on the critical path. `ChainRounds`
+  runs it only where it pays on average: the rows that took a token, times the share of
+  taken tokens that were followed by another forced one (a moving average over every such
+  scan, rounds or not), must reach `round_cost` times the batch's rows (a round costs about
+  `round_cost` of a step; a row's step is 1 / rows of it). So at small batches a chain is
+  followed at once (fed as one chunk: a chain of n saves n - 3 steps); in a large batch only
+  where many rows chain together or chains go on, and a model whose forced tokens come one
+  or two at a time (random weights) pays for no rounds.
 `prepare` runs on the engine's mask-fill thread for the rows that sample mask-first next: one
 batch of fills for the step's rows, then rounds only for rows following a chain. A chain ends
 before a stop token (sampling takes those: the grammar may end there), at the row's token
 budget, or where the grammar allows more than one token. Rows sampled accept-first get no job:
 their masks are never filled, and the model predicts a forced token like any other
-(accept-first then gives it exactly).
+(accept-first then gives it exactly). Everything `prepare` decides depends only on the rows'
+matchers, in submission order (one fill thread), so every rank takes the same chains (I2/I3).
 """
 
 from __future__ import annotations
@@ -51,8 +62,30 @@ class RowJob:
     slot: int
     budget: int
     stop_ids: frozenset[int]
+    # The row took a forced token at its previous job without a fill after it: whether this
+    # job's scan finds another one is an observation for ChainRounds.
+    after_forced: bool = False
     chain: list[int] = field(default_factory=list)
     filled: bool = False
+
+
+class ChainRounds:
+    """Whether one more fill round for the rows that just took a forced token pays (see the
+    module docstring). Used on the fill thread only; its state changes only with the
+    tokens scanned, so it is the same on every rank."""
+
+    WEIGHT = 1 / 32  # of the moving average
+
+    def __init__(self, round_cost: float):
+        self.round_cost = round_cost
+        self.goes_on = 1.0  # share of taken forced tokens followed by another one
+
+    def observe(self, went_on: bool) -> None:
+        self.goes_on += (float(went_on) - self.goes_on) * self.WEIGHT
+
+    def worth(self, took: int, rows: int) -> bool:
+        """A round for `took` rows of a batch of `rows`: expected steps saved >= its cost."""
+        return took * self.goes_on >= self.round_cost * rows
 
 
 class ForcedScan:
@@ -82,12 +115,14 @@ class ForcedScan:
         return out
 
 
-def prepare(filler, scan: ForcedScan | None, jobs: list[RowJob]) -> tuple[float, int]:
+def prepare(filler, scan: ForcedScan | None, jobs: list[RowJob],
+            rounds: ChainRounds | None = None) -> tuple[float, int, int]:
     """Run `jobs` (see RowJob) with `filler` (a MaskFiller): one batch of fills, then one
-    more round for the rows that took a forced token, until none does. `scan` None:
-    fill only. Returns (seconds, bitmask rows filled)."""
+    more round for the rows that took a forced token while `rounds` says it pays (None:
+    until none takes one). `scan` None: fill only. Returns (seconds, bitmask rows filled,
+    rounds after the batch)."""
     t0 = time.perf_counter()
-    fills = 0
+    fills = extra = 0
     active = jobs
     while active:
         filler.fill([j.matcher for j in active], [j.slot for j in active])
@@ -96,11 +131,14 @@ def prepare(filler, scan: ForcedScan | None, jobs: list[RowJob]) -> tuple[float,
             j.filled = True
         if scan is None:
             break
-        took = _accept_forced(filler, scan, active)
+        took = _accept_forced(filler, scan, active, rounds)
         for j in took:
             j.filled = False
+        if took and rounds is not None and not rounds.worth(len(took), len(jobs)):
+            break  # taken without a fill after them: their fills join the next batch
         active = took
-    return time.perf_counter() - t0, fills
+        extra += bool(took)
+    return time.perf_counter() - t0, fills, extra
 
 
 def single_allowed(logits: torch.Tensor) -> torch.Tensor:
@@ -111,14 +149,19 @@ def single_allowed(logits: torch.Tensor) -> torch.Tensor:
     return (logits > float("-inf")).sum(dim=1) == 1
 
 
-def _accept_forced(filler, scan: ForcedScan, jobs: list[RowJob]) -> list[RowJob]:
+def _accept_forced(filler, scan: ForcedScan, jobs: list[RowJob],
+                   rounds: ChainRounds | None = None) -> list[RowJob]:
     """Accept the one allowed token of each just-filled row that has one (within its budget,
-    never a stop id); the jobs that took one."""
+    never a stop id); the jobs that took one. Rows just past a forced token tell `rounds`
+    whether it went on."""
     check = [j for j in jobs if len(j.chain) < j.budget]
     took = []
     for j, token in zip(check, scan.single_allowed(filler.host, [j.slot for j in check]),
                         strict=True):
-        if token < 0 or token in j.stop_ids:
+        go_on = token >= 0 and token not in j.stop_ids
+        if rounds is not None and (j.chain or j.after_forced):
+            rounds.observe(go_on)
+        if not go_on:
             continue
         if not j.matcher.accept_token(token):  # the mask allowed it: a backend bug
             raise RuntimeError(f"the grammar refused token {token}, the only one its mask "
