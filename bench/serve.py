@@ -365,8 +365,10 @@ def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
         before = scrape(worker_url) if worker_url else {}
         cpu0 = cpu_seconds(pids)
         t0 = time.monotonic()
-        spies = (start_profile(pids, ns, f"{shortcuts}-r{rnd}-c{c}-{family}-{ratio:g}")
-                 if f"{c}:{family}:{ratio:g}" in ns.profile and not twin else [])
+        # A guided run's twin is sampled with it (its name ends in -twin).
+        spies = (start_profile(pids, ns, f"{shortcuts}-r{rnd}-c{c}-{family}-{ratio:g}"
+                                         + ("-twin" if twin else ""))
+                 if f"{c}:{family}:{ratio:g}" in ns.profile else [])
         summary = run_load(addr, c, "short" if family == "-" else family, ratio, ns,
                            duration=ns.duration, requests=ns.requests,
                            schema_prompts=bool(ns.train_steps), twin=twin)
@@ -721,7 +723,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--client-servers", type=int, default=4,
                    help="fake-gateway processes for the load generator's own ceiling (0: skip)")
     p.add_argument("--profile", default="",
-                   help="runs to sample with py-spy, as c:family:ratio[,...] (e.g. 256:-:0)")
+                   help="runs to sample with py-spy, as c:family:ratio[,...] (e.g. 256:-:0; a "
+                        "guided run's twin is sampled with it)")
     p.add_argument("--profile-gil", action="store_true",
                    help="sample only threads holding the GIL (gateway)")
     p.add_argument("--shortcuts", default="on,off",

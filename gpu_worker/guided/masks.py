@@ -81,7 +81,8 @@ class MaskFiller:
         has run (the engine syncs on each step's sampled ids)."""
         k = len(positions)
         st = self._stage
-        st.rows_host[:, :k] = torch.tensor([positions, slots], dtype=torch.int64)
+        st.words[0, :k] = positions
+        st.words[1, :k] = slots
         if st.dev is self.host:
             rows, guided = st.rows_host[0, :k], self.host.index_select(0, st.rows_host[1, :k])
         else:
@@ -105,3 +106,4 @@ class _Stage:
         self.dev = host if cpu else torch.empty_like(host, device=device)
         self.rows_host = torch.zeros((2, rows), dtype=torch.int64, pin_memory=not cpu)
         self.rows_dev = self.rows_host if cpu else torch.empty_like(self.rows_host, device=device)
+        self.words = self.rows_host.numpy()  # written in place (no tensor per step)
