@@ -412,7 +412,8 @@ def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
 
 def start_profile(pids: dict[str, int], ns, name: str) -> list[subprocess.Popen]:
     """py-spy (from PATH or $PYSPY) sampling the gateway and rank 0 for the run's duration,
-    collapsed stacks per thread into --out/pyspy-<name>-<role>.txt."""
+    collapsed stacks per thread into --out/pyspy-<name>-<role>.txt (wall clock, idle kept),
+    and with --profile-gil also -<role>-gil.txt (only samples holding the GIL)."""
     import shutil
 
     exe = os.environ.get("PYSPY") or shutil.which("py-spy")
@@ -421,12 +422,13 @@ def start_profile(pids: dict[str, int], ns, name: str) -> list[subprocess.Popen]
         return []
     spies = []
     for role in ("gateway0", "rank0"):
-        if role in pids:
-            out = ns.out / f"pyspy-{name}-{role}.txt"
+        if role not in pids:
+            continue
+        for mode in ("--idle", "--gil") if ns.profile_gil else ("--idle",):
+            out = ns.out / f"pyspy-{name}-{role}{'-gil' if mode == '--gil' else ''}.txt"
             spies.append(subprocess.Popen(
-                [exe, "record", "-p", str(pids[role]), "-d", str(max(1, int(ns.duration or 5))), "-r", "250",
-                 "--threads", "--gil" if role == "gateway0" and ns.profile_gil else "--idle",
-                 "-f", "raw", "-o", str(out), "--nonblocking"],
+                [exe, "record", "-p", str(pids[role]), "-d", str(max(1, int(ns.duration or 5))),
+                 "-r", "250", "--threads", mode, "-f", "raw", "-o", str(out), "--nonblocking"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return spies
 
@@ -726,7 +728,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="runs to sample with py-spy, as c:family:ratio[,...] (e.g. 256:-:0; a "
                         "guided run's twin is sampled with it)")
     p.add_argument("--profile-gil", action="store_true",
-                   help="sample only threads holding the GIL (gateway)")
+                   help="also sample each process's threads only while they hold the GIL "
+                        "(pyspy-<name>-<role>-gil.txt): against the wall-clock profile, "
+                        "the time a thread waits for the GIL")
     p.add_argument("--shortcuts", default="on,off",
                    help="worker forced tokens and accept-first, one stack per setting: on, "
                         "off, forced (forced tokens only), accept-first (accept-first only), "
