@@ -22,6 +22,7 @@ from gpu_worker.control.engine import (
     STOP,
     UNAVAILABLE,
     Request,
+    _IndexStage,
 )
 from grammar_service.default_model import ensure_default_model
 
@@ -368,3 +369,18 @@ def test_the_can_only_end_check_reads_the_whole_mask_but_the_stop_ids(harness, r
             dataclasses.make_dataclass("Q", ["matcher"])(matcher), stops)
         expected = only_end or (regex == "ab(c)?" and c in stops)
         assert harness.engine._can_only_end(row) is expected
+
+
+def test_index_stage_gives_each_index_its_own_entries_until_the_next_start():
+    """The staged indices of one sampling point never overlap (all are used together); past
+    the buffer an index is made on its own; start() reuses the buffer from its beginning."""
+    import torch
+
+    stage = _IndexStage(8, torch.device("cpu"))
+    stage.start()
+    a, b = stage([3, 1, 2]), stage([7, 0, 5, 4])
+    c = stage([6, 6])  # 9 entries > 8: made apart, the staged ones untouched
+    assert a.tolist() == [3, 1, 2] and b.tolist() == [7, 0, 5, 4] and c.tolist() == [6, 6]
+    assert c.dtype == torch.int64 and a.dtype == torch.int64
+    stage.start()
+    assert stage([9] * 8).tolist() == [9] * 8
