@@ -27,41 +27,40 @@ RATE_HZ = 250  # bench/serve.py's py-spy rate
 IDLE = "SlotTable.wait_for_change"  # the engine loop waiting for work
 
 
-def load(path: str, thread: str) -> tuple[Counter, Counter, int]:
-    """(inclusive samples, self samples, total samples) per function of `thread`'s stacks."""
-    inclusive, own, total = Counter(), Counter(), 0
+def stacks(path: str, thread: str):
+    """(frames, samples) of each stack of `thread` in a py-spy raw file."""
     with open(path) as f:
         for line in f:
             if not line.startswith("thread"):
                 continue
             stack, count = line.rstrip("\n").rsplit(" ", 1)
             head, *frames = stack.split(";")
-            if not head.endswith(f": {thread}"):
-                continue
-            n = int(count)
-            total += n
-            names = [_LINE.sub(r" \1", frame) for frame in frames]
-            for name in set(names):
-                inclusive[name] += n
-            own[names[-1] if names else "?"] += n
+            if head.endswith(f": {thread}"):
+                yield frames, int(count)
+
+
+def load(path: str, thread: str) -> tuple[Counter, Counter, int]:
+    """(inclusive samples, self samples, total samples) per function of `thread`'s stacks."""
+    inclusive, own, total = Counter(), Counter(), 0
+    for frames, n in stacks(path, thread):
+        total += n
+        names = [_LINE.sub(r" \1", frame) for frame in frames]
+        for name in set(names):
+            inclusive[name] += n
+        own[names[-1] if names else "?"] += n
     return inclusive, own, total
 
 
 def per_step(path: str, steps: int, depth: int, thread: str = "engine") -> Counter:
     """Busy ms per step of the engine thread, by the `depth` frames below Engine.step."""
     out: Counter = Counter()
-    with open(path) as f:
-        for line in f:
-            stack, _, count = line.rstrip("\n").rpartition(" ")
-            head, *frames = stack.split(";")
-            if not head.endswith(f": {thread}"):
-                continue
-            names = [_FRAME.sub(r":\1", frame) for frame in frames]
-            at = next((i for i, f in enumerate(names) if f.startswith("Engine.step:")), None)
-            if at is None or any(f.startswith(IDLE) for f in names):
-                continue
-            out[" > ".join(names[at + 1:at + 1 + depth]) or "Engine.step"] += \
-                int(count) * 1e3 / RATE_HZ / steps
+    for frames, n in stacks(path, thread):
+        names = [_FRAME.sub(r":\1", frame) for frame in frames]
+        at = next((i for i, f in enumerate(names) if f.startswith("Engine.step:")), None)
+        if at is None or any(f.startswith(IDLE) for f in names):
+            continue
+        out[" > ".join(names[at + 1:at + 1 + depth]) or "Engine.step"] += \
+            n * 1e3 / RATE_HZ / steps
     return out
 
 

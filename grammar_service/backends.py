@@ -486,19 +486,18 @@ class LLGuidanceMatcher:
     def accept_token(self, token_id: int) -> bool:
         """Advance by `token_id`; False, with the state unchanged, when the grammar refuses it
         (or a stop token was already accepted)."""
-        # The common case first, in one test: the engine calls this for every row's every
-        # token (llguidance takes a few µs of it).
-        if token_id not in self._eos and not self._terminated:
-            return self._m.try_consume_tokens([int(token_id)]) == 1
+        token_id = int(token_id)
         if self._terminated:
             return False
-        # A stopped LLMatcher (nothing but EOS can follow) refuses EOS in try_consume_tokens
-        # while its mask allows it; consume_token takes it.
-        if self._m.is_error() or not self._m.is_accepting() \
-                or not self._m.consume_token(int(token_id)):
-            return False
-        self._terminated = True
-        return True
+        if token_id in self._eos:
+            # A stopped LLMatcher (nothing but EOS can follow) refuses EOS in
+            # try_consume_tokens while its mask allows it; consume_token takes it.
+            if self._m.is_error() or not self._m.is_accepting() \
+                    or not self._m.consume_token(token_id):
+                return False
+            self._terminated = True
+            return True
+        return self._m.try_consume_tokens([token_id]) == 1
 
     def is_terminated(self) -> bool:
         """True once a stop token was accepted (as xgrammar's default matcher)."""
