@@ -142,6 +142,7 @@ class _Rewriter:
         self.names: dict[str, str] = {}  # JSON pointer -> rule name
         self.embeds: dict[str, str] = {}  # embedded JSON text -> rule name
         self.terminals: dict[str, str] = {}  # terminal body -> name
+        self._defs: dict[str, str] = {}  # $ref -> its `_def_text`
         self.objects = 0  # object rules written (the rewrite's point)
         # The keys `embed` adds to every embedded node, as JSON text: ',"$schema":...,'
         # '"x-guidance":{...}'.
@@ -350,27 +351,46 @@ class _Rewriter:
             doc = {k: v for k, v in node.items() if k not in _ANNOTATIONS}
         else:
             doc = {} if node is True else {"not": {}}
-        text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+        text = _dump(doc)
         if '"$ref"' not in text and "$schema" not in doc:
             # What the dump below writes, without a second dump: the same keys appended.
             text = ("{" + self._tail[1:] if text == "{}" else text[:-1] + self._tail) + "}"
             return self._embedded(text)
-        if '"$ref"' in text:
-            # Every target the node reaches travels with it under $defs, named by its
-            # pointer, and every reference is rewritten to it: a target anywhere in the
-            # schema (a definition, the root, a property) resolves inside the embedded one.
-            refs = {ref: "#/$defs/" + _escape("gs" + ref[1:]) for ref in _refs(node, self.root)}
-            doc = _with_refs(doc, refs)
+        if '"$ref"' not in text:  # but "$schema" in doc
+            return self._embedded(self._with_tail(doc))
+        # Every target the node reaches travels with it under $defs, named by its pointer
+        # (`_def_ref`), and every reference is rewritten to it: a target anywhere in the
+        # schema (a definition, the root, a property) resolves inside the embedded one.
+        refs = _refs(node, self.root)
+        doc = _with_refs(doc)
+        if "$defs" in doc and not isinstance(doc["$defs"], dict):
+            raise _Unsupported("$defs is not an object")
+        if "$defs" in doc or "$schema" in doc:  # keys the text below would not replace
             defs = doc.setdefault("$defs", {})
-            if not isinstance(defs, dict):
-                raise _Unsupported("$defs is not an object")
             for ref in refs:
-                target = self.resolve(ref)[0]
-                defs["gs" + ref[1:]] = _with_refs(target, refs)
+                defs["gs" + ref[1:]] = _with_refs(self.resolve(ref)[0])
+            return self._embedded(self._with_tail(doc))
+        # The same text as dumping the document with its $defs, each definition dumped once
+        # per schema (most embedded nodes of a schema reach the same few definitions).
+        defs = ",".join(self._def_text(ref) for ref in refs)
+        head = _dump(doc)
+        return self._embedded(f'{head[:-1]}{"," if doc else ""}"$defs":{{{defs}}}'
+                              f"{self._tail}}}")
+
+    def _with_tail(self, doc: dict) -> str:
+        """`doc` dumped with the keys every embedded node carries (the root's $schema, if
+        any, replacing the node's; our x-guidance)."""
         if "$schema" in self.root:
             doc["$schema"] = self.root["$schema"]
         doc["x-guidance"] = self.x_guidance
-        return self._embedded(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
+        return _dump(doc)
+
+    def _def_text(self, ref: str) -> str:
+        """`"name":definition` of the target of `ref` inside an embedded node's $defs, its
+        references rewritten (the same whichever node embeds it)."""
+        if ref not in self._defs:
+            self._defs[ref] = f"{_dump('gs' + ref[1:])}:{_dump(_with_refs(self.resolve(ref)[0]))}"
+        return self._defs[ref]
 
     def _embedded(self, text: str) -> str:
         if text not in self.embeds:
@@ -449,14 +469,29 @@ def _refs(node, root: dict) -> list[str]:
     return seen
 
 
-def _with_refs(node, refs: dict[str, str]):
-    """A copy of `node` with each `$ref` value replaced as `refs` says (data left alone)."""
+def _def_ref(ref: str) -> str:
+    """Where an embedded node's $defs hold the target of the local `ref`."""
+    return "#/$defs/" + _escape("gs" + ref[1:])
+
+
+def _with_refs(node):
+    """A copy of `node` with each local `$ref` pointing into the embedded node's $defs
+    (`_def_ref`; data left alone). Every local reference a node reaches travels with it
+    (`_refs`), so each one is rewritten."""
     if isinstance(node, dict):
-        return {k: (refs.get(v, v) if k == "$ref" and isinstance(v, str)
-                    else v if k in _DATA else _with_refs(v, refs)) for k, v in node.items()}
+        return {k: (_def_ref(v) if k == "$ref" and isinstance(v, str) and _local(v)
+                    else v if k in _DATA else _with_refs(v)) for k, v in node.items()}
     if isinstance(node, list):
-        return [_with_refs(v, refs) for v in node]
+        return [_with_refs(v) for v in node]
     return node
+
+
+def _local(ref: str) -> bool:
+    return ref == "#" or ref.startswith("#/")
+
+
+def _dump(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 class _Bare:
