@@ -95,6 +95,8 @@ _ANNOTATIONS = frozenset({
 _DATA = frozenset({"enum", "const", "default", "examples"})
 _OBJECT_KEYWORDS = ("type", "properties", "required", "additionalProperties")
 _NOT_OBJECT = ("array", "string", "number", "boolean", "null")
+_ARRAY_KEYWORDS = ("type", "items", "minItems", "maxItems")
+_NOT_ARRAY = ("object", "string", "number", "boolean", "null")
 _NAME = re.compile(r"\b(?:n\d+_[mr]|[nj]\d+|T\d+)\b")
 # Array bounds written out as repetitions up to this many items; larger ones are embedded.
 _MAX_ITEMS_WRITTEN = 16
@@ -187,7 +189,8 @@ class _Rewriter:
         """The rule name for the schema `node` found at `pointer`."""
         if pointer in self.names:
             return self.names[pointer]
-        if isinstance(node, dict) and node.keys() & _ASSERTIONS == {"$ref"}:
+        if isinstance(node, dict) and (node.keys() & _ASSERTIONS == {"$ref"}
+                                       or self._typed_ref(node)):
             target, target_pointer = self.resolve(node["$ref"])
             self.names[pointer] = self.node(target_pointer, target)
             return self.names[pointer]
@@ -237,9 +240,19 @@ class _Rewriter:
         if not isinstance(node, dict):
             return None
         keys = node.keys() & _ASSERTIONS
-        if keys == {"anyOf"} and isinstance(node["anyOf"], list) and node["anyOf"]:
-            names = [self.node(f"{pointer}/anyOf/{i}", sub)
-                     for i, sub in enumerate(node["anyOf"])]
+        union = keys - {"type"}
+        if len(union) == 1 and union <= {"anyOf", "oneOf"}:
+            (word,) = union
+            branches = node[word]
+            if not (isinstance(branches, list) and branches):
+                return None
+            if word == "oneOf" and not self._disjoint(branches):
+                return None  # llguidance's own oneOf: it proves the branches apart or says so
+            within = _type_set(node) if "type" in keys else _ALL_TYPES
+            if within is None or not all(self._facts(b)[0] <= within for b in branches):
+                return None  # a `type` beside the union that its branches do not all imply
+            # A union; for oneOf exactly that, as no instance matches two branches.
+            names = [self.node(f"{pointer}/{word}/{i}", sub) for i, sub in enumerate(branches)]
             if not any(self._is_rule(n) for n in names):
                 return None
             return " | ".join(names)
@@ -261,7 +274,59 @@ class _Rewriter:
             return f"{body} | {self.embed({**rest, 'type': others})}"
         if kind == "array" and not keys & _ARRAY_BLOCKERS:
             return self.array(pointer, node)
+        if (types is None and "items" in node) or (
+                isinstance(types, list) and "array" in types and len(types) > 1):
+            # Arrays or other types, as for objects above.
+            if keys & _ARRAY_BLOCKERS:
+                return None
+            body = self.array(pointer, node)
+            if body is None:
+                return None
+            others = [t for t in types or _NOT_ARRAY if t != "array"]
+            rest = {k: v for k, v in node.items() if k not in _ARRAY_KEYWORDS}
+            return f"{body} | {self.embed({**rest, 'type': others})}"
         return None
+
+    def _typed_ref(self, node: dict) -> bool:
+        """A `$ref` beside only a `type` that its target's own `type` already implies: the
+        node is its target (an intersection from draft 2019-09 on, the target alone before;
+        the same when the target implies the type)."""
+        if node.keys() & _ASSERTIONS != {"$ref", "type"} or not _local(node["$ref"]):
+            return False
+        within, target = _type_set(node), _type_set(self.resolve(node["$ref"])[0])
+        return within is not None and target is not None and target <= within
+
+    def _disjoint(self, branches: list) -> bool:
+        """Whether no instance can match two of `branches` (a sufficient test: their
+        types are apart, or they are objects that require one name with different
+        constants)."""
+        facts = [self._facts(b) for b in branches]
+        return all(_apart(a, b) for i, a in enumerate(facts) for b in facts[i + 1:])
+
+    def _facts(self, node, depth: int = 0) -> tuple[frozenset, dict]:
+        """(the JSON types `node` allows, {required name: the values it allows there, or
+        None}) as far as its own keywords say; through `$ref`-only nodes."""
+        node = self._through_refs(node)
+        if not isinstance(node, dict):
+            return _ALL_TYPES if node is not False else frozenset(), {}
+        types = _type_set(node)
+        if types is None:
+            values = _values(node)
+            types = _ALL_TYPES if values is None else frozenset(_kind(v) for v in values)
+        if types != {"object"}:
+            return types, {}
+        props, required = node.get("properties", {}), node.get("required", [])
+        if not (isinstance(props, dict) and isinstance(required, list)):
+            return types, {}
+        return types, {r: _values(self._through_refs(props[r])) for r in required
+                       if isinstance(r, str) and r in props}
+
+    def _through_refs(self, node):
+        for _ in range(16):
+            if not (isinstance(node, dict) and node.keys() & _ASSERTIONS == {"$ref"}):
+                return node
+            node = self.resolve(node["$ref"])[0]
+        return {}  # a long chain (or a cycle): nothing known
 
     def object(self, pointer: str, node: dict) -> str | None:
         props = node.get("properties", {})
@@ -412,6 +477,64 @@ class _Rewriter:
         if self.size > self.budget:
             raise _Unsupported("grammar over its size budget")
         self.rules[name] = rule
+
+
+_ALL_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+
+
+def _type_set(node) -> frozenset | None:
+    """The JSON types a node's own `type` allows ("number" holds "integer"), None without
+    a well-formed one."""
+    kind = node.get("type") if isinstance(node, dict) else None
+    kinds = [kind] if isinstance(kind, str) else kind
+    if not (isinstance(kinds, list) and kinds and all(k in _ALL_TYPES for k in kinds)):
+        return None
+    out = frozenset(kinds)
+    return out | {"integer"} if "number" in out else out
+
+
+def _values(node) -> list | None:
+    """The values a node's `const` or `enum` allows, None when it has neither."""
+    if not isinstance(node, dict):
+        return None
+    if "const" in node:
+        return [node["const"]]
+    values = node.get("enum")
+    return values if isinstance(values, list) else None
+
+
+def _kind(value) -> str:
+    """A JSON value's type, as `_type_set` names it ("integer" for integral numbers)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    return {str: "string", float: "number", type(None): "null", list: "array",
+            dict: "object"}[type(value)]
+
+
+def _same(a, b) -> bool:
+    """JSON equality: numbers by value (1 == 1.0), a boolean only to a boolean."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _apart(a: tuple, b: tuple) -> bool:
+    """Whether two branches' `_facts` exclude each other."""
+    types_a, named_a = a
+    types_b, named_b = b
+    if not types_a & types_b:
+        return True
+    return any(named_a[k] is not None and named_b[k] is not None
+               and not any(_same(x, y) for x in named_a[k] for y in named_b[k])
+               for k in named_a.keys() & named_b.keys())
 
 
 def _scalar(value) -> bool:

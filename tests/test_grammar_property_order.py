@@ -194,7 +194,9 @@ def test_what_the_rewrite_leaves_alone():
 
 # ------------------------------------------------------------------ random differential
 
-def _random_schema(rng: random.Random, depth: int, defs: dict) -> dict:
+def _random_schema(rng: random.Random, depth: int, defs: dict, unions: bool = False) -> dict:
+    if unions and depth > 0 and rng.random() < 0.3:
+        return _random_union(rng, depth, defs)
     roll = rng.random()
     if depth <= 0 or roll < 0.35:
         return rng.choice([
@@ -202,15 +204,15 @@ def _random_schema(rng: random.Random, depth: int, defs: dict) -> dict:
             {"type": "string", "maxLength": 3}, {"enum": ["x", "y", 1]},
             {"type": "number", "minimum": 0}, {"type": "null"}])
     if roll < 0.5:
-        return {"type": "array", "items": _random_schema(rng, depth - 1, defs),
+        return {"type": "array", "items": _random_schema(rng, depth - 1, defs, unions),
                 **({"maxItems": 2} if rng.random() < 0.3 else {})}
     if roll < 0.58 and defs:
         return {"$ref": f"#/$defs/{rng.choice(sorted(defs))}"}
     if roll < 0.66:
-        return {"anyOf": [_random_schema(rng, depth - 1, defs) for _ in range(2)]}
+        return {"anyOf": [_random_schema(rng, depth - 1, defs, unions) for _ in range(2)]}
     names = rng.sample(["a", "b", "c", "d", "e", "f"], rng.randint(1, 4))
     node = {"type": rng.choice(["object"] * 6 + [["object", "null"], None]),
-            "properties": {n: _random_schema(rng, depth - 1, defs) for n in names}}
+            "properties": {n: _random_schema(rng, depth - 1, defs, unions) for n in names}}
     if node["type"] is None:  # any type; objects as listed
         del node["type"]
     if rng.random() < 0.7:
@@ -229,18 +231,54 @@ def _random_schema(rng: random.Random, depth: int, defs: dict) -> dict:
     return node
 
 
+def _random_union(rng: random.Random, depth: int, defs: dict) -> dict:
+    """What the rewrite reaches beyond objects, arrays, $ref and anyOf: a oneOf whose
+    branches exclude each other (by type, or by a required name's constant), a `type` beside
+    a union or a $ref that the branches or the target imply, a type list with "array"."""
+    def obj():
+        node = _random_schema(rng, depth - 1, defs, True)
+        return node if node.get("type") == "object" and "properties" in node else {
+            "type": "object", "properties": {"a": node, "b": {"type": "integer"}}}
+    roll = rng.random()
+    if roll < 0.25:
+        return {"oneOf": [obj(), rng.choice([{"type": "string"}, {"type": "array", "items":
+                                              _random_schema(rng, depth - 1, defs, True)}])]}
+    if roll < 0.5:
+        branches = []
+        for tag in rng.sample(["p", "q", "r"], 2):
+            node = obj()
+            node = {**node, "properties": {**node["properties"], "kind": {"const": tag}},
+                    "required": [*node.get("required", []), "kind"]}
+            branches.append(node)
+        return {"oneOf": branches}
+    if roll < 0.65:
+        return {"type": "object", "anyOf": [obj(), obj()]}
+    if roll < 0.8 and any(d.get("type") == "object" for d in defs.values()):
+        name = rng.choice(sorted(n for n, d in defs.items() if d.get("type") == "object"))
+        return {"$ref": f"#/$defs/{name}", "type": rng.choice(["object", ["object", "null"]])}
+    node = {"type": ["array", "null"], "items": _random_schema(rng, depth - 1, defs, True)}
+    if rng.random() < 0.3:
+        del node["type"]  # any value; arrays of the items
+    return node
+
+
 def _instance(rng: random.Random, schema, root: dict, fixed: bool = False):
     """A document valid for `schema` most of the time (keys shuffled, except in and under
     objects llguidance compiles itself, whose order is fixed)."""
     if "$ref" in schema:
         return _instance(rng, root["$defs"][schema["$ref"].rsplit("/", 1)[1]], root, fixed)
-    if "anyOf" in schema:
-        return _instance(rng, rng.choice(schema["anyOf"]), root, fixed)
+    for word in ("anyOf", "oneOf"):
+        if word in schema:
+            return _instance(rng, rng.choice(schema[word]), root, fixed)
     if "enum" in schema:
         return rng.choice(schema["enum"])
-    kind = schema.get("type", "object")
+    if "const" in schema:
+        return schema["const"]
+    kind = schema.get("type", "array" if "items" in schema else "object")
     if kind == ["object", "null"]:
         kind = rng.choice(["object", "object", "null"])
+    if kind == ["array", "null"]:
+        kind = rng.choice(["array", "array", "null"])
     if kind == "object":
         required = set(schema.get("required", []))
         fixed = fixed or "patternProperties" in schema
@@ -340,6 +378,112 @@ def test_random_schemas_agree_with_jsonschema_in_any_order(backends, encode):
                 checked += 1
                 valid_seen += valid
     assert rewritten >= 60 and checked >= 700 and 0.3 < valid_seen / checked < 0.9
+
+
+def test_unions_and_typed_nodes_agree_with_jsonschema_in_any_order(backends, encode):
+    """oneOf with branches apart, typed unions and references, arrays-or-null, at random."""
+    rng = random.Random(20261206)
+    checked = rewritten = valid_seen = 0
+    for _ in range(50):
+        defs: dict = {}
+        for name in ("p", "q"):
+            defs[name] = _random_schema(rng, 2, defs, unions=True)
+        schema = {"type": "object", "$defs": defs, "properties": {
+            "a": _random_union(rng, 3, defs), "b": _random_schema(rng, 2, defs, unions=True),
+            "c": {"type": "string"}}}
+        if any_order_grammar(schema, {}, None) is not None:
+            rewritten += 1
+        g = compiled(backends, schema)
+        validator = jsonschema.Draft202012Validator(schema)
+        for _ in range(4):
+            doc = _instance(rng, schema, schema)
+            for candidate in [doc, *_mutations(rng, doc)]:
+                text = json.dumps(candidate)
+                valid = validator.is_valid(candidate)
+                assert accepts(g, encode, text) == valid, (json.dumps(schema), text, valid)
+                checked += 1
+                valid_seen += valid
+    assert rewritten >= 45 and checked >= 500 and 0.3 < valid_seen / checked < 0.9
+
+
+def _rewritten(backends, encode, schema, cases, gone: str = "") -> None:
+    """`schema` is rewritten (without `gone` in its grammar text) and judged like jsonschema."""
+    text = any_order_grammar(schema, {}, None)
+    assert text is not None and (not gone or gone not in text), text
+    g = compiled(backends, schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    for doc, ok in cases:
+        assert validator.is_valid(json.loads(doc)) is ok, doc
+        assert accepts(g, encode, doc) is ok, doc
+
+
+ITEM = {"type": "object", "properties": {"k": {"type": "string"}, "v": {"type": "integer"}},
+        "required": ["k", "v"]}
+
+
+def test_a_oneof_whose_branches_exclude_each_other_is_their_union(backends, encode):
+    by_type = {"oneOf": [ITEM, {"type": "array", "items": {"type": "integer"}}]}
+    _rewritten(backends, encode, by_type, [
+        ('{"v":1,"k":"a"}', True), ("[1,2]", True), ('{"v":1}', False), ('"s"', False)],
+        gone='"oneOf"')
+    by_constant = {"oneOf": [
+        {"type": "object", "required": ["kind", "x"], "properties": {
+            "kind": {"const": "a"}, "x": {"type": "integer"}, "y": {"type": "integer"}}},
+        {"type": "object", "required": ["kind"], "properties": {
+            "kind": {"$ref": "#/$defs/bc"}, "y": {"type": "string"}, "x": {}}}],
+        "$defs": {"bc": {"enum": ["b", "c"]}}}
+    _rewritten(backends, encode, by_constant, [
+        ('{"x":1,"kind":"a"}', True), ('{"y":"s","kind":"c"}', True),
+        ('{"y":1,"x":2,"kind":"a"}', True), ('{"y":1,"kind":"b"}', False),
+        ('{"kind":"d"}', False), ('{"x":1}', False)], gone='"oneOf"')
+
+
+def test_a_oneof_not_shown_apart_stays_llguidances():
+    two = {"type": "object", "properties": {"k": {}, "q": {}}}
+    assert any_order_grammar({"oneOf": [ITEM, two]}, {}, None) is None
+    # JSON equality: 1 and 1.0 are one value, true and 1 two
+    def tagged(a, b):
+        return {"oneOf": [{"type": "object", "required": ["n"],
+                           "properties": {"n": {"const": a}, "x": {}, "y": {}}},
+                          {"type": "object", "required": ["n"],
+                           "properties": {"n": {"const": b}, "x": {}, "y": {}}}]}
+    assert any_order_grammar(tagged(1, 1.0), {}, None) is None
+    assert any_order_grammar(tagged(True, 1), {}, None) is not None
+    assert any_order_grammar(tagged([1, {"a": 2}], [1, {"a": 2.0}]), {}, None) is None
+    # a name one branch does not require: both may match without it
+    loose = {"oneOf": [{"type": "object", "properties": {"n": {"const": 1}, "x": {}}},
+                       {"type": "object", "properties": {"n": {"const": 2}, "y": {}}}]}
+    assert any_order_grammar(loose, {}, None) is None
+
+
+def test_a_type_its_branches_or_target_imply(backends, encode):
+    schema = {"$defs": {"o": ITEM}, "type": "object", "required": ["r"], "properties": {
+        "r": {"$ref": "#/$defs/o", "type": ["object", "null"]},
+        "u": {"type": "object", "anyOf": [
+            {"$ref": "#/$defs/o"},
+            {"type": "object", "properties": {"w": {"type": "null"}, "z": {}},
+             "required": ["w"], "additionalProperties": False}]}}}
+    _rewritten(backends, encode, schema, [
+        ('{"r":{"v":1,"k":"a"}}', True), ('{"u":{"z":1,"w":null},"r":{"v":2,"k":"b"}}', True),
+        ('{"u":{"v":3,"k":"c"},"r":{"v":2,"k":"b"}}', True), ('{"r":{"k":"a"}}', False),
+        ('{"u":{"w":1},"r":{"v":2,"k":"b"}}', False), ('{"r":null}', False)], gone='"$ref"')
+    # a type the target or a branch does not imply: the node stays llguidance's
+    for node in ({"$ref": "#/$defs/o", "type": "array"}, {"$ref": "#/$defs/any", "type": "object"},
+                 {"type": "object", "anyOf": [{"properties": {"a": {}, "b": {}}}]}):
+        schema = {"$defs": {"o": ITEM, "any": {}}, "properties": {"x": node}}
+        text = any_order_grammar(schema, {}, None)
+        assert text is None or '"$ref"' in text or '"anyOf"' in text, (node, text)
+
+
+def test_arrays_or_other_types(backends, encode):
+    schema = {"type": "object", "properties": {
+        "list": {"type": ["array", "null"], "items": ITEM, "maxItems": 2},
+        "any": {"items": ITEM}}}
+    _rewritten(backends, encode, schema, [
+        ('{"list":null}', True), ('{"list":[{"v":1,"k":"a"},{"k":"b","v":2}]}', True),
+        ('{"list":[{"v":1,"k":"a"},{"k":"b","v":2},{"k":"c","v":3}]}', False),
+        ('{"list":"s"}', False), ('{"any":"s","list":[]}', True),
+        ('{"any":[{"v":1,"k":"a"}]}', True), ('{"any":[{"v":1}]}', False)])
 
 
 def test_xgrammar_unaffected(backends, encode):
