@@ -18,7 +18,8 @@ general slices alone.
 walks every instance of a bench/grammars.py corpus under gramserve's choice instead, both
 slice sets interleaved schema by schema (the faster of two walks per mask), and prints the
 mask p50 / p90 / p99 / max of each, the masks over 300 us, and how many instances each
-accepts (the same: slices change no mask).
+accepts (the same: slices change no mask). `--worst N` adds the N schemas with the most
+masks over 300 us, each with its slowest mask and the text before it (where the tail is).
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ VARIANTS = {
                            "build_step_" * 6 + "42"),
     "pattern lower-case": (_obj({"type": "string", "pattern": "^[a-z]+$"}), {},
                            "abcdefghijklmnopqrstuvwxyz" * 2),
+    "pattern URL, maxLength 2000": (_obj({"type": "string", "maxLength": 2000,
+                                          "pattern": "^([Hh][Tt][Tt][Pp][Ss]?)://.+$"}), {},
+                                    "https://github.com/microsoft/terminal/blob/main/LICENSE"),
+    "pattern URL, no bound": (_obj({"type": "string",
+                                    "pattern": "^([Hh][Tt][Tt][Pp][Ss]?)://.+$"}), {},
+                              "https://github.com/microsoft/terminal/blob/main/LICENSE"),
     "format uri": (_obj({"type": "string", "format": "uri"}), {},
                    "https://example.com/docs/schemas/config.json?version=2&lang=en"),
     "format date-time": (_obj({"type": "string", "format": "date-time"}), {},
@@ -95,10 +102,13 @@ def _general_slices(vocab):
     return vocab
 
 
-def corpus(judge: Judge, general: Judge, path: Path) -> int:
+def corpus(judge: Judge, general: Judge, path: Path, worst: int = 0) -> int:
     """Every mask of every instance of the corpus at `path`, gramserve's choice, with both
-    slice sets (interleaved per instance; per mask the faster of two walks)."""
+    slice sets (interleaved per instance; per mask the faster of two walks). `worst`: also
+    the schemas with the most masks over 300 us (gramserve's slices), each with the text
+    before its slowest mask."""
     data = json.loads(path.read_text())
+    slow: dict[str, list[tuple[float, str]]] = {}
     times = {"gramserve slices": [], "general slices": []}
     accepted = dict.fromkeys(times, 0)
     bitmask = torch.zeros((1, judge.words), dtype=torch.int32)
@@ -127,6 +137,10 @@ def corpus(judge: Judge, general: Judge, path: Path) -> int:
                     best[name] = [min(a, b) for a, b in zip(best.get(name, walk), walk, strict=True)]
             for name in times:
                 times[name] += best[name]
+            for i, t in enumerate(best["gramserve slices"]):
+                if t > 3e-4:
+                    text = judge.vocab.decode(tokens[:i])[-60:]
+                    slow.setdefault(entry["name"], []).append((t, text))
     print(f"{path.name}: {data.get('source', '')} {data.get('commit', '')}, vocabulary "
           f"{judge.vocab.model_vocab_size} tokens, one thread; mask p50 / p90 / p99 / max us")
     for name, values in times.items():
@@ -135,6 +149,12 @@ def corpus(judge: Judge, general: Judge, path: Path) -> int:
         q = " / ".join(f"{1e6 * values[min(n - 1, int(f * n))]:.1f}" for f in (.5, .9, .99, 1))
         print(f"{name:<18} {q}   masks {n}, over 300 us {sum(v > 3e-4 for v in values)}, "
               f"instances accepted {accepted[name]}")
+    if worst:
+        print("\nschemas with the most masks over 300 us (gramserve slices), the slowest "
+              "mask's us and the text before it:")
+        for name, masks in sorted(slow.items(), key=lambda kv: -len(kv[1]))[:worst]:
+            t, text = max(masks)
+            print(f"{len(masks):5d}  {name:<36} {1e6 * t:7.0f}  ...{text!r}")
     return 0
 
 
@@ -144,6 +164,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--corpus", type=Path, default=None,
                         help="a bench/grammars.py --export-corpus file: all its masks instead")
+    parser.add_argument("--worst", type=int, default=0,
+                        help="with --corpus: the N schemas with the most masks over 300 us")
     ns = parser.parse_args(argv)
     from bench.grammars import model_dir
     from grammar_service.vocab import load_vocab
@@ -152,7 +174,7 @@ def main(argv=None) -> int:
     judge = Judge(load_vocab(model))
     general = Judge(_general_slices(load_vocab(model)))
     if ns.corpus is not None:
-        return corpus(judge, general, ns.corpus)
+        return corpus(judge, general, ns.corpus, ns.worst)
     print(f"vocabulary {judge.vocab.model_vocab_size} tokens, one thread, {ns.reps} walks; "
           "mask p50 / p99 / max us (slowest at token i of n); llguidance with gramserve's "
           "slices, then with its general slices alone")

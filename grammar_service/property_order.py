@@ -14,20 +14,25 @@ set of listed properties seen: each listed property at most once, the closing br
 once every required one has come, unlisted names (when the schema allows them) any number
 of times, as llguidance's own JSON compiler allows them, with values under
 `additionalProperties`. The rewrite reaches such objects through local `$ref`s, `anyOf`
-(a union: the alternation of the branches) and arrays with an `items` schema; every other
-node (strings, numbers, `enum`, `allOf`, `oneOf`, ...) stays llguidance's JSON compiler's,
+(a union: the alternation of the branches), `oneOf` whose branches exclude each other (their
+types are apart, or each requires one name with constants the others' exclude: then no
+instance matches two, and oneOf is the union), arrays with an `items` schema, and a `type`
+next to a union or a `$ref` that every branch, or the target, already implies by its own
+`type` (so the node is the union or the target, in every draft); every other node
+(strings, numbers, `enum`, `allOf`, other `oneOf`s, ...) stays llguidance's JSON compiler's,
 embedded as `%json {...}` with the same options, the schema's definitions it refers to
 carried along. So the grammar enforces what the JSON compiler would, property order aside,
 and its warnings (lenient compiles) are the same.
 
 A node without `type` (or with a list holding "object") that lists properties is the
-rewritten object or, embedded, the other types with the node's other keywords. An embedded
+rewritten object or, embedded, the other types with the node's other keywords; the same for
+arrays (a list holding "array", or an untyped node with `items`). An embedded
 node takes along every target its `$ref`s reach (a definition, the root, any node), under
 `$defs`, its references rewritten to them.
 
-What stays fixed: objects inside embedded nodes (under `allOf`, `oneOf`, `not`, `if`, or
-next to `patternProperties`, `propertyNames`, `min/maxProperties`, `dependencies`, ...,
-or with more than 64 listed properties). `None` (the caller compiles the schema as it is)
+What stays fixed: objects inside embedded nodes (under `allOf`, a `oneOf` not shown apart,
+`not`, `if`, or next to `patternProperties`, `propertyNames`, `min/maxProperties`,
+`dependencies`, ..., or with more than 64 listed properties). `None` (the caller compiles the schema as it is)
 when no object would change, when the schema uses what the rewrite does not resolve (a
 `$ref` that is not a local JSON pointer, `$id` below the root, anchors), or when the grammar
 would be much larger than the schema.
