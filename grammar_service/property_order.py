@@ -262,34 +262,26 @@ class _Rewriter:
                 return None
             return " | ".join(names)
         kind = node.get("type")
-        if kind == "object" and not keys & _OBJECT_BLOCKERS:
-            return self.object(pointer, node)
         types = [kind] if isinstance(kind, str) else kind
-        if (types is None and "properties" in node) or (
-                isinstance(types, list) and "object" in types and len(types) > 1):
-            # Objects or other types (no `type`, or a list with "object"): the object
-            # rewritten, the other types embedded with the node's other keywords.
-            if keys & _OBJECT_BLOCKERS:
-                return None
-            body = self.object(pointer, node)
-            if body is None:
-                return None
-            others = [t for t in types or _NOT_OBJECT if t != "object"]
-            rest = {k: v for k, v in node.items() if k not in _OBJECT_KEYWORDS}
-            return f"{body} | {self.embed({**rest, 'type': others})}"
-        if kind == "array" and not keys & _ARRAY_BLOCKERS:
-            return self.array(pointer, node)
-        if (types is None and "items" in node) or (
-                isinstance(types, list) and "array" in types and len(types) > 1):
-            # Arrays or other types, as for objects above.
-            if keys & _ARRAY_BLOCKERS:
-                return None
-            body = self.array(pointer, node)
-            if body is None:
-                return None
-            others = [t for t in types or _NOT_ARRAY if t != "array"]
-            rest = {k: v for k, v in node.items() if k not in _ARRAY_KEYWORDS}
-            return f"{body} | {self.embed({**rest, 'type': others})}"
+        for shape, write, marker, blockers, own, not_shape in (
+                ("object", self.object, "properties", _OBJECT_BLOCKERS, _OBJECT_KEYWORDS,
+                 _NOT_OBJECT),
+                ("array", self.array, "items", _ARRAY_BLOCKERS, _ARRAY_KEYWORDS, _NOT_ARRAY)):
+            if kind == shape:
+                return None if keys & blockers else write(pointer, node)
+            if (types is None and marker in node) or (
+                    isinstance(types, list) and shape in types and len(types) > 1):
+                # Objects (arrays) or other types (no `type`, or a list holding the shape):
+                # the shape rewritten, the other types embedded with the node's other
+                # keywords.
+                if keys & blockers:
+                    return None
+                body = write(pointer, node)
+                if body is None:
+                    return None
+                others = [t for t in types or not_shape if t != shape]
+                rest = {k: v for k, v in node.items() if k not in own}
+                return f"{body} | {self.embed({**rest, 'type': others})}"
         return None
 
     def _typed_ref(self, node: dict) -> bool:

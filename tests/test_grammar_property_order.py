@@ -350,6 +350,25 @@ def _mutations(rng: random.Random, doc):
         yield mutated
 
 
+def _judge_like_jsonschema(g, encode, rng, schema, spaces: int = 0) -> tuple[int, int]:
+    """Four random documents of `schema` and their mutations: the grammar `g` accepts each
+    exactly when jsonschema (2020-12) says it is valid (with `spaces`, half of them with
+    whitespace within that bound at every place). Returns (documents, valid ones)."""
+    validator = jsonschema.Draft202012Validator(schema)
+    checked = valid_seen = 0
+    for _ in range(4):
+        doc = _instance(rng, schema, schema)
+        for candidate in [doc, *_mutations(rng, doc)]:
+            text = json.dumps(candidate)
+            valid = validator.is_valid(candidate)
+            if spaces and rng.random() < 0.5:
+                text = _spaced(candidate, rng, spaces)
+            assert accepts(g, encode, text) == valid, (json.dumps(schema), text, valid)
+            checked += 1
+            valid_seen += valid
+    return checked, valid_seen
+
+
 def test_random_schemas_agree_with_jsonschema_in_any_order(backends, encode):
     rng = random.Random(20261205)
     checked = rewritten = valid_seen = 0
@@ -365,18 +384,8 @@ def test_random_schemas_agree_with_jsonschema_in_any_order(backends, encode):
         opts = {"whitespace_flexible": True}
         if any_order_grammar(schema, opts, whitespace_regex("bounded", 4)) is not None:
             rewritten += 1
-        g = compiled(backends, schema)
-        validator = jsonschema.Draft202012Validator(schema)
-        for _ in range(4):
-            doc = _instance(rng, schema, schema)
-            for candidate in [doc, *_mutations(rng, doc)]:
-                text = json.dumps(candidate)
-                valid = validator.is_valid(candidate)
-                if rng.random() < 0.5:  # whitespace within the bound, at every place
-                    text = _spaced(candidate, rng, 4)
-                assert accepts(g, encode, text) == valid, (json.dumps(schema), text, valid)
-                checked += 1
-                valid_seen += valid
+        n, v = _judge_like_jsonschema(compiled(backends, schema), encode, rng, schema, 4)
+        checked, valid_seen = checked + n, valid_seen + v
     assert rewritten >= 60 and checked >= 700 and 0.3 < valid_seen / checked < 0.9
 
 
@@ -393,16 +402,8 @@ def test_unions_and_typed_nodes_agree_with_jsonschema_in_any_order(backends, enc
             "c": {"type": "string"}}}
         if any_order_grammar(schema, {}, None) is not None:
             rewritten += 1
-        g = compiled(backends, schema)
-        validator = jsonschema.Draft202012Validator(schema)
-        for _ in range(4):
-            doc = _instance(rng, schema, schema)
-            for candidate in [doc, *_mutations(rng, doc)]:
-                text = json.dumps(candidate)
-                valid = validator.is_valid(candidate)
-                assert accepts(g, encode, text) == valid, (json.dumps(schema), text, valid)
-                checked += 1
-                valid_seen += valid
+        n, v = _judge_like_jsonschema(compiled(backends, schema), encode, rng, schema)
+        checked, valid_seen = checked + n, valid_seen + v
     assert rewritten >= 45 and checked >= 500 and 0.3 < valid_seen / checked < 0.9
 
 
