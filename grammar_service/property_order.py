@@ -32,8 +32,8 @@ node takes along every target its `$ref`s reach (a definition, the root, any nod
 
 What stays fixed: objects inside embedded nodes (under `allOf`, a `oneOf` not shown apart,
 `not`, `if`, or next to `patternProperties`, `propertyNames`, `min/maxProperties`,
-`dependencies`, ..., or with more than 64 listed properties). `None` (the caller compiles the schema as it is)
-when no object would change, when the schema uses what the rewrite does not resolve (a
+`dependencies`, ..., or with more than 64 listed properties). `None` (the caller compiles
+the schema as it is) when no object would change, when the schema uses what the rewrite does not resolve (a
 `$ref` that is not a local JSON pointer, `$id` below the root, anchors), or when the grammar
 would be much larger than the schema.
 
@@ -253,9 +253,10 @@ class _Rewriter:
                 return None
             if word == "oneOf" and not self._disjoint(branches):
                 return None  # llguidance's own oneOf: it proves the branches apart or says so
-            within = _type_set(node) if "type" in keys else _ALL_TYPES
-            if within is None or not all(self._facts(b)[0] <= within for b in branches):
-                return None  # a `type` beside the union that its branches do not all imply
+            if "type" in keys:
+                within = _type_set(node)
+                if within is None or not all(self._facts(b)[0] <= within for b in branches):
+                    return None  # a `type` beside the union that its branches do not imply
             # A union; for oneOf exactly that, as no instance matches two branches.
             names = [self.node(f"{pointer}/{word}/{i}", sub) for i, sub in enumerate(branches)]
             if not any(self._is_rule(n) for n in names):
@@ -300,7 +301,7 @@ class _Rewriter:
         facts = [self._facts(b) for b in branches]
         return all(_apart(a, b) for i, a in enumerate(facts) for b in facts[i + 1:])
 
-    def _facts(self, node, depth: int = 0) -> tuple[frozenset, dict]:
+    def _facts(self, node) -> tuple[frozenset, dict]:
         """(the JSON types `node` allows, {required name: the values it allows there, or
         None}) as far as its own keywords say; through `$ref`-only nodes."""
         node = self._through_refs(node)
