@@ -251,11 +251,13 @@ class _Rewriter:
             branches = node[word]
             if not (isinstance(branches, list) and branches):
                 return None
-            if word == "oneOf" and not self._disjoint(branches):
+            facts = [self._facts(b) for b in branches] if word == "oneOf" or "type" in keys \
+                else []
+            if word == "oneOf" and not _all_apart(facts):
                 return None  # llguidance's own oneOf: it proves the branches apart or says so
             if "type" in keys:
                 within = _type_set(node)
-                if within is None or not all(self._facts(b)[0] <= within for b in branches):
+                if within is None or not all(types <= within for types, _ in facts):
                     return None  # a `type` beside the union that its branches do not imply
             # A union; for oneOf exactly that, as no instance matches two branches.
             names = [self.node(f"{pointer}/{word}/{i}", sub) for i, sub in enumerate(branches)]
@@ -289,17 +291,10 @@ class _Rewriter:
         """A `$ref` beside only a `type` that its target's own `type` already implies: the
         node is its target (an intersection from draft 2019-09 on, the target alone before;
         the same when the target implies the type)."""
-        if node.keys() & _ASSERTIONS != {"$ref", "type"} or not _local(node["$ref"]):
+        if node.keys() & _ASSERTIONS != {"$ref", "type"}:
             return False
         within, target = _type_set(node), _type_set(self.resolve(node["$ref"])[0])
         return within is not None and target is not None and target <= within
-
-    def _disjoint(self, branches: list) -> bool:
-        """Whether no instance can match two of `branches` (a sufficient test: their
-        types are apart, or they are objects that require one name with different
-        constants)."""
-        facts = [self._facts(b) for b in branches]
-        return all(_apart(a, b) for i, a in enumerate(facts) for b in facts[i + 1:])
 
     def _facts(self, node) -> tuple[frozenset, dict]:
         """(the JSON types `node` allows, {required name: the values it allows there, or
@@ -524,6 +519,13 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _all_apart(facts: list) -> bool:
+    """Whether no instance can match two of the branches whose `_facts` these are (a
+    sufficient test: their types are apart, or they are objects that require one name with
+    different constants)."""
+    return all(_apart(a, b) for i, a in enumerate(facts) for b in facts[i + 1:])
+
+
 def _apart(a: tuple, b: tuple) -> bool:
     """Whether two branches' `_facts` exclude each other."""
     types_a, named_a = a
@@ -541,13 +543,8 @@ def _scalar(value) -> bool:
 
 def _of_type(value, kind: str) -> bool:
     """Whether a scalar JSON value is of JSON Schema type `kind`."""
-    if isinstance(value, bool):
-        return kind == "boolean"
-    if isinstance(value, int):
-        return kind in ("integer", "number")
-    if isinstance(value, float):
-        return kind == "number" or (kind == "integer" and value.is_integer())
-    return {str: "string", type(None): "null"}[type(value)] == kind
+    own = _kind(value)
+    return own == kind or (kind == "number" and own == "integer")
 
 
 def _count(value) -> bool:
