@@ -18,8 +18,12 @@ of times, as llguidance's own JSON compiler allows them, with values under
 types are apart, or each requires one name with constants the others' exclude: then no
 instance matches two, and oneOf is the union), arrays with an `items` schema, and a `type`
 next to a union or a `$ref` that every branch, or the target, already implies by its own
-`type` (so the node is the union or the target, in every draft); every other node
-(strings, numbers, `enum`, `allOf`, other `oneOf`s, ...) stays llguidance's JSON compiler's,
+`type` (so the node is the union or the target, in every draft). An `allOf` of such
+objects (nothing in any branch but those four keywords, through `$ref`s) is one object:
+each name's value under every branch that speaks of it (its `properties` entry, else its
+`additionalProperties`: each branch's own), every branch's required names required; a name
+whose branches' types are apart is never allowed. Every other node (strings, numbers,
+`enum`, other `allOf`s and `oneOf`s, ...) stays llguidance's JSON compiler's,
 embedded as `%json {...}` with the same options, the schema's definitions it refers to
 carried along. So the grammar enforces what the JSON compiler would, property order aside,
 and its warnings (lenient compiles) are the same.
@@ -30,12 +34,16 @@ arrays (a list holding "array", or an untyped node with `items`). An embedded
 node takes along every target its `$ref`s reach (a definition, the root, any node), under
 `$defs`, its references rewritten to them.
 
-What stays fixed: objects inside embedded nodes (under `allOf`, a `oneOf` not shown apart,
-`not`, `if`, or next to `patternProperties`, `propertyNames`, `min/maxProperties`,
-`dependencies`, ..., or with more than 64 listed properties). `None` (the caller compiles
-the schema as it is) when no object would change, when the schema uses what the rewrite does not resolve (a
-`$ref` that is not a local JSON pointer, `$id` below the root, anchors), or when the grammar
-would be much larger than the schema.
+What stays fixed: objects inside embedded nodes (under an `allOf` with other keywords, a
+`oneOf` not shown apart, `not`, `if`, or next to `patternProperties`, `propertyNames`,
+`min/maxProperties`, `dependencies`, ..., or with more than 64 listed properties). `None`
+(the caller compiles the schema as it is) when no object would change, when the schema uses
+what the rewrite does not resolve (a `$ref` that is not a local JSON pointer, `$id` below
+the root, anchors), or when the grammar would be much larger than the schema.
+
+An optional property whose value provably matches nothing (`_impossible`: no type left, or
+an object that requires a name it forbids) is never allowed, as llguidance's own compile
+of the whole schema leaves it out (an embedded node that matches nothing is an error).
 
 Unlisted names are JSON strings without `\\u` or `\\/` escapes that are not a listed name
 written as `json.dumps` writes it; so an unlisted name can never be a listed one spelled
@@ -99,6 +107,18 @@ _ANNOTATIONS = frozenset({
 # Keywords whose values are data, not schemas (no $ref inside them is a reference).
 _DATA = frozenset({"enum", "const", "default", "examples"})
 _OBJECT_KEYWORDS = ("type", "properties", "required", "additionalProperties")
+_OBJECT_SET = frozenset(_OBJECT_KEYWORDS)
+# What `_merge` takes in a node or a branch of its allOf (through references).
+_CONJUNCT_KEYWORDS = _OBJECT_SET | {"allOf", "$ref"}
+# Assertions whose meaning does not depend on a sibling keyword in any draft (not draft 4's
+# boolean exclusiveMinimum, which modifies minimum: a schema holding it is not merged):
+# schemas holding only such keywords, none twice, are together one schema holding them all.
+_INDEPENDENT = frozenset({
+    "type", "enum", "const", "minLength", "maxLength", "pattern", "format", "minimum",
+    "maximum", "multipleOf", "minItems", "maxItems", "uniqueItems", "required",
+    "minProperties", "maxProperties"})
+# What can leave a node no value (`_impossible`): without them, a node matches something.
+_NARROWING = frozenset({"$ref", "allOf", "anyOf", "oneOf", "enum", "const", "required"})
 _NOT_OBJECT = ("array", "string", "number", "boolean", "null")
 _ARRAY_KEYWORDS = ("type", "items", "minItems", "maxItems")
 _NOT_ARRAY = ("object", "string", "number", "boolean", "null")
@@ -150,6 +170,8 @@ class _Rewriter:
         self.embeds: dict[str, str] = {}  # embedded JSON text -> rule name
         self.terminals: dict[str, str] = {}  # terminal body -> name
         self._defs: dict[str, str] = {}  # $ref -> its `_def_text`
+        self._types_of: dict[int, tuple[object, frozenset]] = {}  # id(node) -> (node, `_types`)
+        self._impossible_of: dict[int, tuple[object, bool]] = {}  # the same for `_impossible`
         self.objects = 0  # object rules written (the rewrite's point)
         # The keys `embed` adds to every embedded node, as JSON text: ',"$schema":...,'
         # '"x-guidance":{...}'.
@@ -245,25 +267,37 @@ class _Rewriter:
         if not isinstance(node, dict):
             return None
         keys = node.keys() & _ASSERTIONS
-        union = keys - {"type"}
-        if len(union) == 1 and union <= {"anyOf", "oneOf"}:
-            (word,) = union
+        unions = keys & {"anyOf", "oneOf"}
+        if len(unions) == 1 and keys - unions <= _OBJECT_SET:
+            (word,) = unions
             branches = node[word]
             if not (isinstance(branches, list) and branches):
                 return None
-            facts = [self._facts(b) for b in branches] if word == "oneOf" or "type" in keys \
-                else []
-            if word == "oneOf" and not _all_apart(facts):
+            # Keywords beside the union hold in every branch: each branch is the branch
+            # with them.
+            own = {k: node[k] for k in keys - unions}
+            whole = [{"allOf": [sub, own]} for sub in branches] if own else branches
+            if word == "oneOf" and not _all_apart([self._facts(sub) for sub in whole]):
                 return None  # llguidance's own oneOf: it proves the branches apart or says so
-            if "type" in keys:
-                within = _type_set(node)
-                if within is None or not all(types <= within for types, _ in facts):
-                    return None  # a `type` beside the union that its branches do not imply
+            if own.keys() - {"type"}:
+                # (those that can match anything)
+                parts = [(f"{pointer}/~{word}/{i}", sub) for i, sub in enumerate(whole)
+                         if not self._impossible(sub)]
+            else:
+                if own:
+                    within = _type_set(node)
+                    if within is None or not all(self._types(sub) <= within for sub in branches):
+                        return None  # a `type` beside the union that its branches do not imply
+                parts = [(f"{pointer}/{word}/{i}", sub) for i, sub in enumerate(branches)]
             # A union; for oneOf exactly that, as no instance matches two branches.
-            names = [self.node(f"{pointer}/{word}/{i}", sub) for i, sub in enumerate(branches)]
+            names = [self.node(at, sub) for at, sub in parts]
             if not any(self._is_rule(n) for n in names):
                 return None
             return " | ".join(names)
+        if "allOf" in keys or ("$ref" in keys and keys - {"$ref"} <= _OBJECT_SET):
+            # (a $ref beside object keywords: both apply, as llguidance compiles it in every
+            # draft)
+            return self.all_of(pointer, node)
         kind = node.get("type")
         types = [kind] if isinstance(kind, str) else kind
         for shape, write, marker, blockers, own, not_shape in (
@@ -296,23 +330,68 @@ class _Rewriter:
         within, target = _type_set(node), _type_set(self.resolve(node["$ref"])[0])
         return within is not None and target is not None and target <= within
 
-    def _facts(self, node) -> tuple[frozenset, dict]:
-        """(the JSON types `node` allows, {required name: the values it allows there, or
-        None}) as far as its own keywords say; through `$ref`-only nodes."""
+    def _facts(self, node) -> tuple[frozenset, dict, frozenset]:
+        """(the JSON types `node` allows, {listed name: the values it allows there, or
+        None}, the required names) as far as its own keywords say; through `$ref`s, and
+        an allOf of objects as one (`_merge`)."""
+        types = self._types(node)
         node = self._through_refs(node)
-        if not isinstance(node, dict):
-            return _ALL_TYPES if node is not False else frozenset(), {}
-        types = _type_set(node)
-        if types is None:
-            values = _values(node)
-            types = _ALL_TYPES if values is None else frozenset(_kind(v) for v in values)
-        if types != {"object"}:
-            return types, {}
+        if types != {"object"} or not isinstance(node, dict):
+            return types, {}, frozenset()
+        if node.keys() & {"allOf", "$ref"}:
+            found = self._merge(node)
+            if found is None:
+                return types, {}, frozenset()
+            node = found[0]
         props, required = node.get("properties", {}), node.get("required", [])
         if not (isinstance(props, dict) and isinstance(required, list)):
-            return types, {}
-        return types, {r: _values(self._through_refs(props[r])) for r in required
-                       if isinstance(r, str) and r in props}
+            return types, {}, frozenset()
+        named = {k: _values(self._through_refs(v)) for k, v in props.items()}
+        named.update((k, []) for k, v in props.items() if v is False)  # never there
+        return types, named, frozenset(r for r in required if isinstance(r, str))
+
+    def _types(self, node, depth: int = 0) -> frozenset:
+        """The JSON types `node` may match, as far as its own `type`, `const`/`enum` and
+        unions say (a superset: every type where nothing says more)."""
+        known = self._types_of.get(id(node))
+        if known is not None:
+            return known[1]
+        key, node = node, self._through_refs(node)
+        if node is False:
+            return frozenset()
+        if not isinstance(node, dict) or depth > 16:
+            return _ALL_TYPES
+        types = _type_set(node) or _ALL_TYPES
+        values = _values(node)
+        if values is not None:
+            types &= frozenset(_kind(v) for v in values)
+        for word in ("anyOf", "oneOf", "allOf"):
+            branches = node.get(word)
+            if not (isinstance(branches, list) and branches):
+                continue
+            sets = [self._types(b, depth + 1) for b in branches]
+            types &= frozenset.intersection(*sets) if word == "allOf" else frozenset.union(*sets)
+        self._types_of[id(key)] = (key, types)  # the node held: its id stays its own
+        return types
+
+    def _both(self, schemas: list):
+        """A schema matching what every one of `schemas` matches (true for none, false when
+        their types are apart)."""
+        constraints = [s for s in schemas if s is not True and s != {}]
+        if len(constraints) > 1 and not frozenset.intersection(
+                *(self._types(s) for s in constraints)):
+            return False
+        if any(s is False for s in constraints):
+            return False
+        if len(constraints) > 1:
+            merged: dict = {}
+            for c in constraints:
+                if not (isinstance(c, dict) and c.keys() <= _INDEPENDENT
+                        and not c.keys() & merged.keys()):
+                    return {"allOf": constraints}
+                merged.update(c)
+            return merged  # keywords that apply each on its own: one schema is all of them
+        return constraints[0] if constraints else True
 
     def _through_refs(self, node):
         for _ in range(16):
@@ -329,12 +408,12 @@ class _Rewriter:
                 and all(isinstance(r, str) for r in required)
                 and isinstance(extra, (bool, dict))):
             return None
-        allowed = {k: v for k, v in props.items() if v is not False}
+        allowed = {k: v for k, v in props.items() if v is not False and not self._impossible(v)}
         required = list(dict.fromkeys(required))
         if any(r not in allowed and (r in props or extra is False) for r in required):
             return None  # unsatisfiable: llguidance says so
         names = required + [k for k in allowed if k not in required]
-        if not names or len(names) > MAX_PROPERTIES:
+        if len(names) > MAX_PROPERTIES or (not names and extra is False):
             return None
         name = self.names[pointer]
         m, rest = f"{name}_m", f"{name}_r"
@@ -353,8 +432,12 @@ class _Rewriter:
                      if isinstance(extra, dict) else self.embed(True))
             # not a listed name, nor one listed as `false` (that name is never allowed)
             listed = names + [k for k in props if k not in allowed]
-            unlisted = self.terminal(f"/{_KEY}/ & ~/{_names_regex(listed)}/")
+            # (with no name listed, any JSON string, escapes and all)
+            unlisted = self.terminal(f"/{_KEY}/ & ~/{_names_regex(listed)}/" if listed
+                                     else _LEAVES["string"])
             members.append(f'{unlisted} ":" {value} {rest}::_')
+            if not names and not self._is_rule(value):
+                return None  # a map of values with nothing to order: embedded whole
         elif len(names) == 1 and not self._is_rule(value):
             return None  # one property, nothing to order inside or out: embedded whole
         self.objects += len(names) > 1 or extra is not False
@@ -364,6 +447,132 @@ class _Rewriter:
         self._add(rest, f'{rest}::_ : ""{done}\n    | "," {m}::_{more}')
         full = f'"{{" {m}::0x0 "}}"'
         return full if required else f'"{{" "}}" | {full}'
+
+    def all_of(self, pointer: str, node: dict) -> str | None:
+        """An `allOf` of object schemas (`_merge`): the one object they make together is
+        written (and the other types every branch allows, embedded). Else None (embedded
+        whole)."""
+        found = self._merge(node)
+        if found is None:
+            return None
+        merged, within = found
+        # A pointer no schema has (an escaped pointer never holds "~a"): the merged node's
+        # values are rules of their own.
+        inner = f"{pointer}/~allOf"
+        self.names[inner] = self.names[pointer]
+        body = self.object(inner, merged)
+        others = [t for t in _NOT_OBJECT + ("integer",) if t in within
+                  and not (t == "integer" and "number" in within)]
+        if body is None or not others:
+            return body
+        return f"{body} | {self.embed({'type': others})}"
+
+    def _merge(self, node) -> tuple[dict, frozenset] | None:
+        """For a node whose keywords and every branch of its `allOf`s (through `$ref`s) are
+        nothing but `type`, `properties`, `required` and `additionalProperties`: (the object
+        node matching exactly the objects they all match, the types they all allow). An
+        object matches them all when each name's value matches each branch's schema for it
+        (its `properties` entry, else its `additionalProperties`, each branch on its own),
+        and it holds every branch's required names. None for any other node."""
+        branches = self._conjuncts(node)
+        if branches is None:
+            return None
+        within = _ALL_TYPES
+        for branch in branches:
+            types = _type_set(branch) if "type" in branch else _ALL_TYPES
+            if types is None:
+                return None
+            within &= types
+        if "object" not in within:
+            return None  # no object, or a malformed keyword: llguidance says so
+        names: dict[str, None] = {}
+        for branch in branches:
+            names.update(dict.fromkeys(branch.get("properties", {})))
+        properties = {key: self._both([branch["properties"][key]
+                                       if key in branch.get("properties", {})
+                                       else branch.get("additionalProperties", True)
+                                       for branch in branches]) for key in names}
+        return {"type": "object", "properties": properties,
+                "required": [r for branch in branches for r in branch.get("required", [])],
+                "additionalProperties": self._both([branch.get("additionalProperties", True)
+                                                   for branch in branches])}, within
+
+    def _impossible(self, node, depth: int = 0) -> bool:
+        """Whether `node` provably matches nothing: no type is left (`_types`), or it is an
+        object (only) that requires a name it forbids, or whose value provably matches
+        nothing, or a union whose every branch (with the object keywords beside it) does.
+        (A sufficient test: an optional property whose value matches nothing is never
+        allowed, as llguidance's own compile leaves it out.)"""
+        if not isinstance(node, dict) or not node.keys() & _NARROWING:
+            return node is False  # most values: a type and what applies to it
+        known = self._impossible_of.get(id(node))
+        if known is None:
+            known = (node, depth <= 8 and self._proved_impossible(node, depth))
+            self._impossible_of[id(node)] = known  # the node held: its id stays its own
+        return known[1]
+
+    def _proved_impossible(self, node: dict, depth: int) -> bool:
+        if not self._types(node):
+            return True
+        node = self._through_refs(node)
+        if not isinstance(node, dict):
+            return False
+        keys = node.keys() & _ASSERTIONS
+        unions = keys & {"anyOf", "oneOf"}
+        if len(unions) == 1 and keys - unions <= _OBJECT_SET:
+            (word,) = unions
+            branches = node[word]
+            own = {k: node[k] for k in keys - unions}
+            return isinstance(branches, list) and all(
+                self._impossible({"allOf": [b, own]} if own else b, depth + 1)
+                for b in branches)
+        if "allOf" in keys or ("$ref" in keys and keys - {"$ref"} <= _OBJECT_SET):
+            found = self._merge(node)
+            if found is None or found[1] != {"object"}:
+                return False
+            node = found[0]
+        elif not keys <= _OBJECT_SET or node.get("type") != "object":
+            return False
+        props, required = node.get("properties", {}), node.get("required", [])
+        extra = node.get("additionalProperties", True)
+        if not (isinstance(props, dict) and isinstance(required, list)):
+            return False
+        return any(not isinstance(name, str) or props.get(name, extra) is False
+                   or self._impossible(props.get(name, extra), depth + 1)
+                   for name in required)
+
+    def _conjuncts(self, node) -> list[dict] | None:
+        """The object keywords of `node` and of every schema its `allOf`s reach (through
+        `$ref`s), one dict per schema, in the schema's order; None when one of them holds
+        anything else (or is false, or malformed)."""
+        out, todo = [], [node]
+        while todo:
+            current = todo.pop(0)
+            for _ in range(16):
+                if not (isinstance(current, dict) and current.keys() & _ASSERTIONS == {"$ref"}):
+                    break
+                current = self.resolve(current["$ref"])[0]
+            if current is True:
+                continue
+            if not isinstance(current, dict) or len(out) + len(todo) > MAX_PROPERTIES:
+                return None
+            keys = current.keys() & _ASSERTIONS
+            if not keys <= _CONJUNCT_KEYWORDS:
+                return None
+            props = current.get("properties", {})
+            required = current.get("required", [])
+            if not (isinstance(props, dict) and isinstance(required, list)
+                    and all(isinstance(r, str) for r in required)
+                    and isinstance(current.get("additionalProperties", True), (bool, dict))):
+                return None
+            if "allOf" in keys:
+                if not (isinstance(current["allOf"], list) and current["allOf"]):
+                    return None
+                todo.extend(current["allOf"])
+            if "$ref" in keys:  # beside other keywords: its target is one more branch
+                todo.append({"$ref": current["$ref"]})
+            out.append({k: current[k] for k in keys - {"allOf", "$ref"}})
+        return out
 
     def array(self, pointer: str, node: dict) -> str | None:
         items = node.get("items", True)
@@ -527,12 +736,15 @@ def _all_apart(facts: list) -> bool:
 
 
 def _apart(a: tuple, b: tuple) -> bool:
-    """Whether two branches' `_facts` exclude each other."""
-    types_a, named_a = a
-    types_b, named_b = b
+    """Whether two branches' `_facts` exclude each other: their types are apart, or one
+    requires a name whose values there the other's values for it exclude (whether the
+    other requires the name or not: where present, it holds one of those)."""
+    types_a, named_a, required_a = a
+    types_b, named_b, required_b = b
     if not types_a & types_b:
         return True
     return any(named_a[k] is not None and named_b[k] is not None
+               and (k in required_a or k in required_b)
                and not any(_same(x, y) for x in named_a[k] for y in named_b[k])
                for k in named_a.keys() & named_b.keys())
 

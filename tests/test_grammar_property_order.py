@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 import tokenizers
 
-from grammar_service.backends import LLGUIDANCE, XGRAMMAR, VocabView
+from grammar_service.backends import LLGUIDANCE, XGRAMMAR, BackendError, VocabView
 from grammar_service.choice import compile_spec
 from grammar_service.default_model import ensure_default_model
 from grammar_service.property_order import any_order_grammar, whitespace_regex
@@ -176,7 +176,8 @@ def test_what_the_rewrite_leaves_alone():
                               "additionalProperties": False}, opts, ws) is None
     # objects with constraints beyond the rewrite's stay llguidance's (fixed order)
     for extra in ({"minProperties": 1}, {"patternProperties": {"^x": {}}},
-                  {"allOf": [{"required": ["a"]}]}, {"dependentRequired": {"a": ["b"]}}):
+                  {"allOf": [{"required": ["a"], "minProperties": 1}]},
+                  {"dependentRequired": {"a": ["b"]}}):
         schema = {"type": "object", "properties": {"a": {}, "b": {}}, **extra}
         assert any_order_grammar(schema, opts, ws) is None, extra
     # references the rewrite does not resolve
@@ -185,9 +186,11 @@ def test_what_the_rewrite_leaves_alone():
     nested_id = {"type": "object", "properties": {"a": {"$id": "x", "type": "string"},
                                                   "b": {}}}
     assert any_order_grammar(nested_id, opts, ws) is None
-    # an object under allOf is embedded; the one beside it is rewritten
+    # an object under an allOf with more than object keywords is embedded; the one beside
+    # it is rewritten
     mixed = {"type": "object", "properties": {
-        "a": {"allOf": [{"type": "object", "properties": {"x": {}, "y": {}}}]}, "b": {}}}
+        "a": {"allOf": [{"type": "object", "properties": {"x": {}, "y": {}},
+                         "maxProperties": 1}]}, "b": {}}}
     text = any_order_grammar(mixed, opts, ws)
     assert text is not None and '"allOf"' in text
 
@@ -262,14 +265,81 @@ def _random_union(rng: random.Random, depth: int, defs: dict) -> dict:
     return node
 
 
+SCALARS = [{"type": "string"}, {"type": "string", "maxLength": 3}, {"enum": ["x", "y", 1]},
+           {"type": "number", "minimum": 0}, {"type": "integer"}, {"type": "boolean"},
+           {"type": "null"}, {}, {"anyOf": [{"type": "integer"}, {"type": "null"}]}]
+
+
+def _random_all_of(rng: random.Random, depth: int, defs: dict) -> dict:
+    """An allOf of object schemas: branches listing overlapping names (under scalar schemas
+    that may contradict each other: such a name is never allowed), with and without `type`,
+    each kind of additionalProperties, references to object definitions, a nested allOf,
+    and keywords on the node itself. A name only one branch lists may hold anything."""
+    shared = {"a", "b"}
+
+    def branch():
+        names = rng.sample(["a", "b", "c", "d"], rng.randint(1, 3))
+        node = {"properties": {
+            n: rng.choice(SCALARS) if n in shared else
+            _random_all_of(rng, depth - 1, defs) if depth > 1 and rng.random() < 0.2 else
+            _random_schema(rng, depth - 1, defs) for n in names}}
+        shared.update(names)  # c and d: a second branch gives them scalars too
+        if rng.random() < 0.5:
+            node["type"] = rng.choice(["object", "object", ["object", "null"]])
+        if rng.random() < 0.6:
+            node["required"] = rng.sample(names, rng.randint(0, len(names)))
+        extra = rng.choice([None, None, False, True, {"type": "integer"}])
+        if extra is not None:
+            node["additionalProperties"] = extra
+        return node
+    parts = [branch() for _ in range(rng.randint(1, 3))]
+    objects = sorted(n for n, d in defs.items() if d.get("type") == "object"
+                     and "patternProperties" not in d
+                     and not d.get("properties", {}).keys() & shared)
+    if objects and rng.random() < 0.4:
+        ref = {"$ref": f"#/$defs/{rng.choice(objects)}"}
+        if rng.random() < 0.5:  # beside object keywords: both apply
+            ref = {**branch(), **ref}
+        parts.insert(rng.randint(0, len(parts)), ref)
+    if rng.random() < 0.2:
+        parts.append({"allOf": [branch(), branch()]})
+    node = {"allOf": parts}
+    if rng.random() < 0.4:
+        node["type"] = "object"
+    if rng.random() < 0.3:
+        node.update(properties={"e": {"type": "string"}}, required=["e"])
+    return node
+
+
+OBJECT_WORDS = {"properties", "required", "additionalProperties"}
+
+
 def _instance(rng: random.Random, schema, root: dict, fixed: bool = False):
     """A document valid for `schema` most of the time (keys shuffled, except in and under
     objects llguidance compiles itself, whose order is fixed)."""
     if "$ref" in schema:
-        return _instance(rng, root["$defs"][schema["$ref"].rsplit("/", 1)[1]], root, fixed)
+        target = root["$defs"][schema["$ref"].rsplit("/", 1)[1]]
+        if not schema.keys() & OBJECT_WORDS:
+            return _instance(rng, target, root, fixed)
+        schema = {"allOf": [target, {k: v for k, v in schema.items() if k != "$ref"}]}
+    if "allOf" in schema:  # each branch's object, merged (keys shuffled)
+        parts = [{k: v for k, v in schema.items() if k != "allOf"}, *schema["allOf"]]
+        doc = {}
+        for part in parts:
+            value = _instance(rng, {"type": "object", **part} if part.keys() <= {"type"}
+                              else part, root, fixed)
+            if isinstance(value, dict):
+                doc.update(value)
+        items = list(doc.items())
+        rng.shuffle(items)
+        return dict(items)
     for word in ("anyOf", "oneOf"):
         if word in schema:
-            return _instance(rng, rng.choice(schema[word]), root, fixed)
+            branch = rng.choice(schema[word])
+            own = {k: v for k, v in schema.items() if k != word}
+            if own.keys() & OBJECT_WORDS:
+                return _instance(rng, {"allOf": [branch, own]}, root, fixed)
+            return _instance(rng, branch, root, fixed)
     if "enum" in schema:
         return rng.choice(schema["enum"])
     if "const" in schema:
@@ -279,13 +349,16 @@ def _instance(rng: random.Random, schema, root: dict, fixed: bool = False):
         kind = rng.choice(["object", "object", "null"])
     if kind == ["array", "null"]:
         kind = rng.choice(["array", "array", "null"])
+    if isinstance(kind, list):
+        kind = rng.choice(kind)
     if kind == "object":
         required = set(schema.get("required", []))
         fixed = fixed or "patternProperties" in schema
-        doc = {n: _instance(rng, s, root, fixed) for n, s in schema["properties"].items()
+        doc = {n: _instance(rng, s, root, fixed) for n, s in schema.get("properties", {}).items()
                if s is not False and (n in required or rng.random() < 0.6)}
-        if schema.get("additionalProperties", True) is not False and rng.random() < 0.3:
-            doc["zz"] = 7
+        extra = schema.get("additionalProperties", True)
+        if extra is not False and rng.random() < 0.3:
+            doc["zz"] = _instance(rng, extra, root, fixed) if isinstance(extra, dict) else 7
         items = list(doc.items())
         if not fixed:
             rng.shuffle(items)
@@ -407,6 +480,39 @@ def test_unions_and_typed_nodes_agree_with_jsonschema_in_any_order(backends, enc
     assert rewritten >= 45 and checked >= 500 and 0.3 < valid_seen / checked < 0.9
 
 
+def test_all_of_objects_agree_with_jsonschema_in_any_order(backends, encode):
+    """allOf of object schemas (merged into one object) at random."""
+    rng = random.Random(20261207)
+    checked = rewritten = valid_seen = unsatisfiable = 0
+    for _ in range(50):
+        defs: dict = {}
+        for name in ("p", "q"):
+            defs[name] = _random_schema(rng, 2, defs)
+        schema = {"type": "object", "$defs": defs, "properties": {
+            "a": _random_all_of(rng, 3, defs), "b": _random_schema(rng, 2, defs),
+            "c": {"type": "string"},
+            # a map of objects, and a union beside object keywords
+            "m": {"type": "object", "additionalProperties": _random_all_of(rng, 2, defs)},
+            "u": {"required": ["k"], "properties": {"k": {"type": "integer"}},
+                  "anyOf": [_random_all_of(rng, 2, defs), _random_schema(rng, 2, defs)]}}}
+        if rng.random() < 0.3:
+            schema = {"$defs": defs, **_random_all_of(rng, 3, defs)}
+        if any_order_grammar(schema, {}, None) is not None:
+            rewritten += 1
+        try:
+            g = compiled(backends, schema)
+        except BackendError as exc:  # a required name no value satisfies: nothing is valid
+            assert "Unsatisfiable" in str(exc), exc
+            unsatisfiable += 1
+            validator = jsonschema.Draft202012Validator(schema)
+            assert not any(validator.is_valid(_instance(rng, schema, schema)) for _ in range(8))
+            continue
+        n, v = _judge_like_jsonschema(g, encode, rng, schema)
+        checked, valid_seen = checked + n, valid_seen + v
+    assert unsatisfiable < 10 and rewritten >= 35 and checked >= 500 \
+        and 0.2 < valid_seen / checked < 0.9, (rewritten, checked, valid_seen)
+
+
 def _rewritten(backends, encode, schema, cases, gone: str = "") -> None:
     """`schema` is rewritten (without `gone` in its grammar text) and judged like jsonschema."""
     text = any_order_grammar(schema, {}, None)
@@ -437,6 +543,101 @@ def test_a_oneof_whose_branches_exclude_each_other_is_their_union(backends, enco
         ('{"x":1,"kind":"a"}', True), ('{"y":"s","kind":"c"}', True),
         ('{"y":1,"x":2,"kind":"a"}', True), ('{"y":1,"kind":"b"}', False),
         ('{"kind":"d"}', False), ('{"x":1}', False)], gone='"oneOf"')
+
+
+def test_all_of_objects_are_one_object(backends, encode):
+    base = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
+            "required": ["id"]}
+    extended = {"$defs": {"base": base}, "type": "object", "allOf": [
+        {"$ref": "#/$defs/base"},
+        {"properties": {"tags": {"type": "array", "items": {"type": "string"}},
+                        "name": {"maxLength": 2}}, "required": ["tags"]}]}
+    _rewritten(backends, encode, extended, [
+        ('{"tags":[],"id":1}', True), ('{"name":"ab","tags":["x"],"id":2,"more":null}', True),
+        ('{"tags":[]}', False), ('{"id":1}', False), ('{"id":1,"tags":[],"name":"abc"}', False),
+        ('{"id":1,"tags":[],"name":3}', False)], gone='"allOf"')
+    # additionalProperties is each branch's own: it forbids what the other branches list
+    closed = {"allOf": [{"properties": {"a": {}, "c": {}}, "additionalProperties": False},
+                        {"properties": {"b": {}, "c": {"type": "integer"}}}]}
+    _rewritten(backends, encode, closed, [
+        ('{"c":1,"a":1}', True), ('{"b":1}', False), ('{"a":1,"b":2}', False),
+        ('{"c":"s"}', False), ('"text"', True), ("[1]", True)], gone='"allOf"')
+    # a name whose values the branches' types keep apart is never allowed; untyped, any
+    # other value matches
+    apart = {"allOf": [{"properties": {"n": {"type": "string"}, "k": {}}},
+                       {"properties": {"n": {"type": "integer"}, "j": {}}}]}
+    _rewritten(backends, encode, apart, [
+        ('{"j":1,"k":1}', True), ('{"n":"s"}', False), ('{"k":2,"n":1}', False),
+        ("3", True), ("null", True)], gone='"allOf"')
+
+
+def test_references_unions_and_maps_beside_object_keywords(backends, encode):
+    schema = {"$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"}},
+                                 "required": ["id"]},
+                        "a": {"type": "object", "properties": {"kind": {"const": "a"},
+                                                               "x": {"type": "integer"}},
+                              "required": ["kind"]},
+                        "b": {"type": "object", "properties": {"kind": {"const": "b"}},
+                              "required": ["kind"]}},
+              "type": "object", "properties": {
+        # a $ref beside properties: both apply (as llguidance compiles it in every draft)
+        "r": {"$ref": "#/$defs/base", "properties": {"name": {"type": "string"}},
+              "required": ["name"]},
+        # object keywords beside a oneOf hold in each branch; a string branch cannot match
+        "u": {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}},
+              "oneOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}, {"type": "string"}]},
+        # a map of objects
+        "m": {"type": "object", "additionalProperties": {"$ref": "#/$defs/a"}}}}
+    _rewritten(backends, encode, schema, [
+        ('{"r":{"name":"s","id":1}}', True), ('{"r":{"id":1}}', False),
+        ('{"r":{"name":1,"id":1}}', False),
+        ('{"u":{"n":1,"kind":"a","x":2}}', True), ('{"u":{"kind":"b","n":2}}', True),
+        ('{"u":{"kind":"a"}}', False), ('{"u":"s"}', False), ('{"u":{"kind":"c","n":1}}', False),
+        ('{"m":{"k\\u00e9":{"x":1,"kind":"a"},"j":{"kind":"a"}}}', True),
+        ('{"m":{"k":{"kind":"b"}}}', False), ('{"m":{}}', True)], gone='"$ref"')
+
+
+def test_an_optional_property_nothing_matches_is_never_allowed(backends, encode):
+    """Its value requires a name no value matches: llguidance's own compile leaves such a
+    property out, an embedded node would be an error (and the schema's order fixed)."""
+    never = {"allOf": [{"type": "string"}, {"type": "integer"}]}
+    schema = {"type": "object", "properties": {"a": {}, "b": {}, "bad": {
+        "type": "object", "required": ["x"], "properties": {"x": never, "y": {}}}}}
+    _rewritten(backends, encode, schema, [
+        ('{"b":1,"a":2}', True), ('{"bad":{"x":1}}', False), ('{"bad":{"y":1}}', False)])
+
+
+def test_an_all_of_with_other_keywords_stays_llguidances():
+    for branch in ({"minProperties": 1}, {"if": {"required": ["a"]}, "then": {}},
+                   {"properties": {"a": {}}, "patternProperties": {"^x": {}}}):
+        schema = {"type": "object", "allOf": [
+            {"properties": {"a": {"type": "integer"}, "b": {}}, "required": ["a"]}, branch]}
+        text = any_order_grammar({"type": "object", "properties": {
+            "x": schema, "y": {"type": "object", "properties": {"p": {}, "q": {}}}}}, {}, None)
+        assert text is not None and '"allOf":[{"properties":{"a"' in text, text
+
+
+def test_a_oneof_apart_by_a_name_one_branch_requires(backends, encode):
+    """One branch requires `mode` with its values, the other only restricts `mode` where it
+    is there (or forbids it): no object matches both. The object keywords beside the oneOf
+    hold in each branch."""
+    shared = {"properties": {"name": {"type": "string"}, "every": {"type": "integer"}}}
+    schema = {"type": "object", "required": ["name"], "oneOf": [
+        {"allOf": [shared], "required": ["every"],
+         "properties": {"mode": {"enum": ["Scheduled"]}}},
+        {"allOf": [shared], "required": ["mode"],
+         "properties": {"mode": {"enum": ["Continuous", "OnDemand"]}}}]}
+    _rewritten(backends, encode, schema, [
+        ('{"every":1,"name":"a"}', True), ('{"mode":"Scheduled","every":1,"name":"a"}', True),
+        ('{"mode":"OnDemand","name":"a"}', True), ('{"name":"a","every":2,"mode":"OnDemand"}', True),
+        ('{"every":1}', False), ('{"name":"a"}', False), ('{"mode":"Scheduled","name":"a"}', False)],
+        gone='"oneOf"')
+    forbidden = {"oneOf": [{"type": "object", "required": ["k"], "properties": {"k": {"const": 1},
+                                                                               "a": {}}},
+                           {"type": "object", "properties": {"k": False, "b": {}}}]}
+    _rewritten(backends, encode, forbidden, [
+        ('{"a":1,"k":1}', True), ('{"b":1}', True), ('{"k":1,"b":1}', True), ('{"k":2}', False)],
+        gone='"oneOf"')
 
 
 def test_a_oneof_not_shown_apart_stays_llguidances():
