@@ -13,20 +13,26 @@ parametric grammars, docs/parametric.md in its repository) whose 64-bit paramete
 set of listed properties seen: each listed property at most once, the closing brace only
 once every required one has come, unlisted names (when the schema allows them) any number
 of times, as llguidance's own JSON compiler allows them, with values under
-`additionalProperties`. The rewrite reaches such objects through local `$ref`s, `anyOf`
-(a union: the alternation of the branches), `oneOf` whose branches exclude each other (their
-types are apart, or each requires one name with constants the others' exclude: then no
-instance matches two, and oneOf is the union), arrays with an `items` schema, and a `type`
-next to a union or a `$ref` that every branch, or the target, already implies by its own
-`type` (so the node is the union or the target, in every draft). An `allOf` of such
-objects (nothing in any branch but those four keywords, through `$ref`s) is one object:
-each name's value under every branch that speaks of it (its `properties` entry, else its
-`additionalProperties`: each branch's own), every branch's required names required; a name
-whose branches' types are apart is never allowed. Every other node (strings, numbers,
-`enum`, other `allOf`s and `oneOf`s, ...) stays llguidance's JSON compiler's,
-embedded as `%json {...}` with the same options, the schema's definitions it refers to
-carried along. So the grammar enforces what the JSON compiler would, property order aside,
-and its warnings (lenient compiles) are the same.
+`additionalProperties` (an object with no listed property, a map, when its values hold
+objects to reorder). The rewrite reaches such objects through local `$ref`s, `anyOf` (a
+union: the alternation of the branches), `oneOf` whose branches exclude each other (then
+no instance matches two, and oneOf is the union), and arrays with an `items` schema. Two
+branches exclude each other when their types are apart, or they share only objects and
+one requires a name with constants the other's values for that name exclude (required
+there or not), or (`_apart_parts`) both have no `type` and only object keywords, so both
+match every non-object, and are apart on objects: with two such branches no non-object is
+an instance, and each is written as its objects. Keywords beside a union (`type` and the
+object keywords) hold in each branch: each branch is written with them, unless they are a
+`type` every branch already implies; the same for a `$ref` beside them (the target and
+them, as llguidance compiles it in every draft: draft 7 and before would ignore them). An
+`allOf` of such objects (nothing in any branch but those four keywords, through `$ref`s)
+is one object (`_merge`): each name's value under every branch that speaks of it (its
+`properties` entry, else its `additionalProperties`: each branch's own), every branch's
+required names required; a name whose branches' types are apart is never allowed. Every
+other node (strings, numbers, `enum`, other `allOf`s and `oneOf`s, ...) stays llguidance's
+JSON compiler's, embedded as `%json {...}` with the same options, the schema's definitions
+it refers to carried along. So the grammar enforces what the JSON compiler would, property
+order aside, and its warnings (lenient compiles) are the same.
 
 A node without `type` (or with a list holding "object") that lists properties is the
 rewritten object or, embedded, the other types with the node's other keywords; the same for
@@ -274,21 +280,21 @@ class _Rewriter:
             if not (isinstance(branches, list) and branches):
                 return None
             # Keywords beside the union hold in every branch: each branch is the branch
-            # with them.
+            # with them (the branch itself where they say nothing more: a `type` that
+            # every branch implies).
             own = {k: node[k] for k in keys - unions}
-            whole = [{"allOf": [sub, own]} for sub in branches] if own else branches
-            if word == "oneOf" and not _all_apart([self._facts(sub) for sub in whole]):
-                return None  # llguidance's own oneOf: it proves the branches apart or says so
-            if own.keys() - {"type"}:
-                # (those that can match anything)
-                parts = [(f"{pointer}/~{word}/{i}", sub) for i, sub in enumerate(whole)
-                         if not self._impossible(sub)]
-            else:
-                if own:
-                    within = _type_set(node)
-                    if within is None or not all(self._types(sub) <= within for sub in branches):
-                        return None  # a `type` beside the union that its branches do not imply
+            within = _type_set(node) if own.keys() == {"type"} else None
+            if not own or (within is not None
+                           and all(self._types(sub) <= within for sub in branches)):
                 parts = [(f"{pointer}/{word}/{i}", sub) for i, sub in enumerate(branches)]
+            else:
+                parts = [(f"{pointer}/~{word}/{i}", {"allOf": [sub, own]})
+                         for i, sub in enumerate(branches)]
+            if word == "oneOf":
+                parts = self._apart_parts(parts)
+                if parts is None:
+                    return None  # llguidance's own oneOf: it proves the branches apart or not
+            parts = [(at, sub) for at, sub in parts if not self._impossible(sub)]
             # A union; for oneOf exactly that, as no instance matches two branches.
             names = [self.node(at, sub) for at, sub in parts]
             if not any(self._is_rule(n) for n in names):
@@ -336,7 +342,7 @@ class _Rewriter:
         an allOf of objects as one (`_merge`)."""
         types = self._types(node)
         node = self._through_refs(node)
-        if types != {"object"} or not isinstance(node, dict):
+        if "object" not in types or not isinstance(node, dict):
             return types, {}, frozenset()
         if node.keys() & {"allOf", "$ref"}:
             found = self._merge(node)
@@ -349,6 +355,42 @@ class _Rewriter:
         named = {k: _values(self._through_refs(v)) for k, v in props.items()}
         named.update((k, []) for k, v in props.items() if v is False)  # never there
         return types, named, frozenset(r for r in required if isinstance(r, str))
+
+    def _apart_parts(self, parts: list) -> list | None:
+        """The branches of a oneOf ((pointer, node) each) as a union's, when no instance
+        matches two of them, else None. Two branches are apart when every alternative of
+        one (`_alternatives`) is apart from every alternative of the other (`_apart`). Where
+        two branches have no `type` and nothing but object keywords (`_universal`), both
+        match every non-object, so no non-object is an instance: then the branches need be
+        apart on objects only, and each is written as its objects."""
+        alts = [self._alternatives(sub) for _, sub in parts]
+        pairs = [(a, b) for i in range(len(parts)) for j in range(i + 1, len(parts))
+                 for a in alts[i] for b in alts[j]]
+        if sum(self._universal(sub) for _, sub in parts) < 2:
+            return parts if all(_apart(a, b) for a, b in pairs) else None
+        if not all(_apart_on_objects(a, b) for a, b in pairs):
+            return None
+        return [(at, sub) if self._types(sub) <= {"object"}
+                else (f"{at}/~object", {"allOf": [sub, {"type": "object"}]})
+                for at, sub in parts]
+
+    def _alternatives(self, node, depth: int = 0) -> list:
+        """The `_facts` of each branch of a union `node` (through `$ref`s, unions within
+        unions), or `[_facts(node)]`: one of them holds for every instance."""
+        target = self._through_refs(node)
+        if isinstance(target, dict) and depth < 8:
+            word = target.keys() & _ASSERTIONS
+            if len(word) == 1 and word <= {"anyOf", "oneOf"}:
+                branches = target[word.pop()]
+                if isinstance(branches, list) and 0 < len(branches) <= MAX_PROPERTIES:
+                    return [f for b in branches for f in self._alternatives(b, depth + 1)]
+        return [self._facts(node)]
+
+    def _universal(self, node) -> bool:
+        """Whether `node` is an object schema without a `type` (nothing but object
+        keywords, through `$ref`s and `allOf`s): it matches every value but objects."""
+        found = self._merge(node)
+        return found is not None and found[1] == _ALL_TYPES
 
     def _types(self, node, depth: int = 0) -> frozenset:
         """The JSON types `node` may match, as far as its own `type`, `const`/`enum` and
@@ -728,21 +770,25 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _all_apart(facts: list) -> bool:
-    """Whether no instance can match two of the branches whose `_facts` these are (a
-    sufficient test: their types are apart, or they are objects that require one name with
-    different constants)."""
-    return all(_apart(a, b) for i, a in enumerate(facts) for b in facts[i + 1:])
-
-
 def _apart(a: tuple, b: tuple) -> bool:
-    """Whether two branches' `_facts` exclude each other: their types are apart, or one
-    requires a name whose values there the other's values for it exclude (whether the
-    other requires the name or not: where present, it holds one of those)."""
-    types_a, named_a, required_a = a
-    types_b, named_b, required_b = b
-    if not types_a & types_b:
-        return True
+    """Whether two branches' `_facts` exclude each other: their types are apart, or they
+    share only objects and are apart on objects (`_apart_objects`)."""
+    common = a[0] & b[0]
+    return not common or (common == {"object"} and _apart_objects(a, b))
+
+
+def _apart_on_objects(a: tuple, b: tuple) -> bool:
+    """Whether no object matches both branches: one matches no object, or
+    `_apart_objects`."""
+    return "object" not in a[0] or "object" not in b[0] or _apart_objects(a, b)
+
+
+def _apart_objects(a: tuple, b: tuple) -> bool:
+    """Whether no object matches both branches: one requires a name whose values there the
+    other's values for it exclude (whether the other requires the name or not: where
+    present, it holds one of those)."""
+    _, named_a, required_a = a
+    _, named_b, required_b = b
     return any(named_a[k] is not None and named_b[k] is not None
                and (k in required_a or k in required_b)
                and not any(_same(x, y) for x in named_a[k] for y in named_b[k])
