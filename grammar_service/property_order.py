@@ -178,6 +178,7 @@ class _Rewriter:
         self._defs: dict[str, str] = {}  # $ref -> its `_def_text`
         self._types_of: dict[int, tuple[object, frozenset]] = {}  # id(node) -> (node, `_types`)
         self._impossible_of: dict[int, tuple[object, bool]] = {}  # the same for `_impossible`
+        self._merged_of: dict[int, tuple[object, tuple | None]] = {}  # and for `_merge`
         self.objects = 0  # object rules written (the rewrite's point)
         # The keys `embed` adds to every embedded node, as JSON text: ',"$schema":...,'
         # '"x-guidance":{...}'.
@@ -274,7 +275,7 @@ class _Rewriter:
             return None
         keys = node.keys() & _ASSERTIONS
         unions = keys & {"anyOf", "oneOf"}
-        if len(unions) == 1 and keys - unions <= _OBJECT_SET:
+        if len(unions) == 1 and keys - unions <= _CONJUNCT_KEYWORDS:
             (word,) = unions
             branches = node[word]
             if not (isinstance(branches, list) and branches):
@@ -282,12 +283,14 @@ class _Rewriter:
             # Keywords beside the union hold in every branch: each branch is the branch
             # with them (the branch itself where they say nothing more: a `type` that
             # every branch implies).
-            own = {k: node[k] for k in keys - unions}
+            own = {k: v for k, v in node.items() if k in keys and k not in unions}  # its order
             within = _type_set(node) if own.keys() == {"type"} else None
             if not own or (within is not None
                            and all(self._types(sub) <= within for sub in branches)):
                 parts = [(f"{pointer}/{word}/{i}", sub) for i, sub in enumerate(branches)]
             else:
+                if word == "anyOf":  # an anyOf within: its branches are the union's
+                    branches = self._flat_any(branches)
                 parts = [(f"{pointer}/~{word}/{i}", {"allOf": [sub, own]})
                          for i, sub in enumerate(branches)]
             if word == "oneOf":
@@ -297,10 +300,13 @@ class _Rewriter:
             parts = [(at, sub) for at, sub in parts if not self._impossible(sub)]
             # A union; for oneOf exactly that, as no instance matches two branches.
             names = [self.node(at, sub) for at, sub in parts]
-            if not any(self._is_rule(n) for n in names):
+            if not parts or (len(parts) == len(branches)
+                             and not any(self._is_rule(n) for n in names)):
+                # Nothing to reorder: embedded whole (unless branches that match nothing
+                # were left out: those may hold what llguidance refuses)
                 return None
             return " | ".join(names)
-        if "allOf" in keys or ("$ref" in keys and keys - {"$ref"} <= _OBJECT_SET):
+        if _conjunctive(keys):
             # (a $ref beside object keywords: both apply, as llguidance compiles it in every
             # draft)
             return self.all_of(pointer, node)
@@ -373,6 +379,20 @@ class _Rewriter:
         return [(at, sub) if self._types(sub) <= {"object"}
                 else (f"{at}/~object", {"allOf": [sub, {"type": "object"}]})
                 for at, sub in parts]
+
+    def _flat_any(self, branches: list, depth: int = 0) -> list:
+        """An anyOf's branches, each that is itself an anyOf (through `$ref`s) replaced by
+        its own branches: the same union."""
+        out = []
+        for sub in branches:
+            target = self._through_refs(sub)
+            inner = target.get("anyOf") if isinstance(target, dict) \
+                and target.keys() & _ASSERTIONS == {"anyOf"} else None
+            if isinstance(inner, list) and inner and depth < 8 and len(out) < MAX_PROPERTIES:
+                out.extend(self._flat_any(inner, depth + 1))
+            else:
+                out.append(sub)
+        return out
 
     def _alternatives(self, node, depth: int = 0) -> list:
         """The `_facts` of each branch of a union `node` (through `$ref`s, unions within
@@ -502,9 +522,11 @@ class _Rewriter:
         # values are rules of their own.
         inner = f"{pointer}/~allOf"
         self.names[inner] = self.names[pointer]
-        body = self.object(inner, merged)
         others = [t for t in _NOT_OBJECT + ("integer",) if t in within
                   and not (t == "integer" and "number" in within)]
+        if self._impossible(merged):  # no object: the other types alone
+            return self.embed({"type": others}) if others else None
+        body = self.object(inner, merged)
         if body is None or not others:
             return body
         return f"{body} | {self.embed({'type': others})}"
@@ -516,6 +538,12 @@ class _Rewriter:
         object matches them all when each name's value matches each branch's schema for it
         (its `properties` entry, else its `additionalProperties`, each branch on its own),
         and it holds every branch's required names. None for any other node."""
+        known = self._merged_of.get(id(node))
+        if known is None:
+            known = self._merged_of[id(node)] = (node, self._merged(node))  # node held
+        return known[1]
+
+    def _merged(self, node) -> tuple[dict, frozenset] | None:
         branches = self._conjuncts(node)
         if branches is None:
             return None
@@ -561,14 +589,14 @@ class _Rewriter:
             return False
         keys = node.keys() & _ASSERTIONS
         unions = keys & {"anyOf", "oneOf"}
-        if len(unions) == 1 and keys - unions <= _OBJECT_SET:
+        if len(unions) == 1 and keys - unions <= _CONJUNCT_KEYWORDS:
             (word,) = unions
             branches = node[word]
-            own = {k: node[k] for k in keys - unions}
-            return isinstance(branches, list) and all(
+            own = {k: v for k, v in node.items() if k in keys and k not in unions}  # its order
+            return isinstance(branches, list) and bool(branches) and all(
                 self._impossible({"allOf": [b, own]} if own else b, depth + 1)
                 for b in branches)
-        if "allOf" in keys or ("$ref" in keys and keys - {"$ref"} <= _OBJECT_SET):
+        if _conjunctive(keys):
             found = self._merge(node)
             if found is None or found[1] != {"object"}:
                 return False
@@ -613,7 +641,8 @@ class _Rewriter:
                 todo.extend(current["allOf"])
             if "$ref" in keys:  # beside other keywords: its target is one more branch
                 todo.append({"$ref": current["$ref"]})
-            out.append({k: current[k] for k in keys - {"allOf", "$ref"}})
+            out.append({k: v for k, v in current.items()
+                        if k in keys and k not in ("allOf", "$ref")})
         return out
 
     def array(self, pointer: str, node: dict) -> str | None:
@@ -793,6 +822,12 @@ def _apart_objects(a: tuple, b: tuple) -> bool:
                and (k in required_a or k in required_b)
                and not any(_same(x, y) for x in named_a[k] for y in named_b[k])
                for k in named_a.keys() & named_b.keys())
+
+
+def _conjunctive(keys) -> bool:
+    """Whether a node with these keywords is for `_merge` (an `allOf`, or a `$ref` beside
+    object keywords)."""
+    return "allOf" in keys or ("$ref" in keys and keys <= _CONJUNCT_KEYWORDS)
 
 
 def _scalar(value) -> bool:

@@ -26,6 +26,14 @@ an `allOf`, which llguidance intersects): exact leap years, and a leap second on
 23:59:60 in UTC (`Z` or `±00:00`), so the rare leap second written with another offset is
 refused rather than an invalid time accepted.
 
+llguidance, names never there (`fix_schema_llguidance`): llguidance does not implement
+`not`, and the commonest `not` says that a name (or any of a few) is absent, as in
+mutually exclusive properties: `{"not": {"required": ["a"]}}` or `{"not": {"anyOf":
+[{"required": ["a"]}, {"required": ["b"]}]}}`. `required` holds for every non-object, so
+such a `not` is exactly "an object where these names are never there": the node's `allOf`
+gets `{"type": "object", "properties": {"a": false, ...}}` in its place, which llguidance
+enforces (and the any-order rewrite reads as object keywords).
+
 options.strict, unlisted properties (`forbid_unlisted_properties`): strict must mean on
 llguidance what xgrammar's strict_mode means, so an object schema that lists `properties`
 and says nothing about other properties gets `additionalProperties: false`.
@@ -41,6 +49,8 @@ DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})
 # Keys whose values map names (not keywords) to subschemas.
 MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions",
                        "dependentSchemas"})
+# Keywords that say nothing about an instance (beside the one that does, in a `not`).
+_NOTES = frozenset({"title", "description", "$comment", "markdownDescription"})
 _UNESCAPED_CHAR = '[^"\\\\\\x00-\\x1f]'
 # The largest minLength / maxLength rewritten into a repetition for xgrammar (see above).
 MAX_REWRITTEN_LENGTH = 16
@@ -68,7 +78,8 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
            "minContains", "maxContains")
 _LLG_FIX_TEXT = re.compile(
     rf'"(?:{"|".join(_COUNTS)})"\s*:\s*-?[0-9]+[.eE]'
-    rf'|"format"\s*:\s*"(?:{"|".join(FORMAT_PATTERNS)})"')
+    rf'|"format"\s*:\s*"(?:{"|".join(FORMAT_PATTERNS)})"'
+    r'|"not"\s*:\s*\{')
 
 
 def fix_schema(schema: Any) -> Any:
@@ -79,8 +90,8 @@ def fix_schema(schema: Any) -> Any:
 
 def fix_schema_llguidance(schema: Any) -> Any:
     """A copy of `schema` with the llguidance rewrites (integral bounds, exact date and time
-    formats) applied at every depth (no state changed)."""
-    return _map(schema, lambda node: _format_node(_integral_node(node)))
+    formats, names never there) applied at every depth (no state changed)."""
+    return _map(schema, lambda node: _absent_node(_format_node(_integral_node(node))))
 
 
 def llguidance_fix_applies(text: str) -> bool:
@@ -110,6 +121,35 @@ def _format_node(node: dict) -> dict:
         all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
         node["allOf"] = [*all_of, {"pattern": pattern}]
     return node
+
+
+def _absent_node(node: dict) -> dict:
+    names = _absent_names(node.get("not"))
+    if names is None:
+        return node
+    del node["not"]
+    all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+    node["allOf"] = [*all_of, {"type": "object", "properties": dict.fromkeys(names, False)}]
+    return node
+
+
+def _absent_names(node) -> list[str] | None:
+    """The names of a `not` that says "an object without these": `{"required": [name]}`,
+    or an `anyOf` of such (each name alone), else None."""
+    if not isinstance(node, dict):
+        return None
+    branches = node.get("anyOf") if node.keys() - _NOTES == {"anyOf"} else [node]
+    if not isinstance(branches, list) or not branches:
+        return None
+    names = []
+    for branch in branches:
+        required = branch.get("required") if isinstance(branch, dict) \
+            and branch.keys() - _NOTES == {"required"} else None
+        if not (isinstance(required, list) and len(required) == 1
+                and isinstance(required[0], str)):
+            return None
+        names.append(required[0])
+    return names
 
 
 def forbid_unlisted_properties(schema: Any) -> Any:

@@ -1,15 +1,20 @@
 """Schema rewrites: length-bounded JSON strings compile to grammars that refuse raw control
 characters (xgrammar 0.2.9 accepts them from the schema as written, which makes invalid JSON),
 up to a cap; counts written as 2.0 are integers; llguidance's date and time formats become
-exact patterns; under options.strict unlisted properties are forbidden for llguidance as
-xgrammar's strict mode does."""
+exact patterns; a `not` that says names are absent becomes those names forbidden; under
+options.strict unlisted properties are forbidden for llguidance as xgrammar's strict mode
+does."""
 
 import json
 from pathlib import Path
 
+import jsonschema
 import pytest
+import tokenizers
 import xgrammar as xgr
 
+from grammar_service.backends import VocabView
+from grammar_service.choice import compile_spec
 from grammar_service.default_model import ensure_default_model
 from grammar_service.schema_fixes import (
     FORMAT_PATTERNS,
@@ -19,9 +24,10 @@ from grammar_service.schema_fixes import (
     forbid_unlisted_properties,
     llguidance_fix_applies,
 )
-from grammar_service.specs import canonical_json
+from grammar_service.specs import canonical_json, parse_spec
 from grammar_service.unenforced import find_unenforced
 from grammar_service.vocab import load_vocab
+from protos import common_pb2
 
 BOUNDED = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1,
                                                     "maxLength": 6}},
@@ -111,6 +117,40 @@ def test_date_and_time_formats_become_patterns_beside_any_pattern_already_there(
         "enum": [{"format": "date"}]}  # data, not a schema
 
 
+def test_a_not_that_says_names_are_absent_becomes_those_names_forbidden_on_an_object():
+    """`{"not": {"required": [a]}}` (or an anyOf of such) holds for an object without the
+    names and for no non-object (`required` holds for every non-object): judged like
+    jsonschema on llguidance's compile of the fixed schema (it does not implement `not`)."""
+    one = {"properties": {"a": {}, "b": {}}, "not": {"required": ["a"]}}
+    assert fix_schema_llguidance(one) == {"properties": {"a": {}, "b": {}}, "allOf": [
+        {"type": "object", "properties": {"a": False}}]}
+    two = {"not": {"anyOf": [{"required": ["a"]}, {"required": ["b"], "description": "x"}]},
+           "allOf": [{"type": "object"}]}
+    assert fix_schema_llguidance(two) == {"allOf": [
+        {"type": "object"}, {"type": "object", "properties": {"a": False, "b": False}}]}
+    for kept in ({"not": {"required": ["a", "b"]}}, {"not": {"type": "string"}},
+                 {"not": {"required": ["a"], "minProperties": 2}}):
+        assert fix_schema_llguidance(kept) == kept
+    backends = VocabView.of(load_vocab(ensure_default_model())).backends()
+    tok = tokenizers.Tokenizer.from_str(load_vocab(ensure_default_model()).tokenizer_json())
+    for schema in (one, two):
+        validator = jsonschema.Draft202012Validator(schema)
+        # llguidance's own JSON compile of the fixed schema (the schema's order)
+        spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema), options=(
+            common_pb2.GrammarOptions(backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE,
+                                      fixed_property_order=True))))
+        compiled = compile_spec(spec, backends)
+        assert not compiled.unenforced
+        backend = backends[compiled.backend]
+        grammar = backend.deserialize(compiled.payload)
+        for doc in ({}, {"b": 1}, {"a": 1}, {"a": 1, "b": 2}, {"c": 3}, "s", 1, None, []):
+            m = backend.new_matcher(grammar)
+            accepted = all(m.accept_token(t) for t in tok.encode(
+                json.dumps(doc), add_special_tokens=False).ids) and m.accept_token(
+                m.stop_token_ids[0])
+            assert accepted == validator.is_valid(doc), (schema, doc)
+
+
 def test_the_text_check_skips_the_llguidance_fix_only_where_it_changes_nothing():
     # Every schema of the JSON Schema Test Suite and those above: where the text check says
     # no, the fix gives the schema back unchanged; the fixes above are all found.
@@ -119,7 +159,8 @@ def test_the_text_check_skips_the_llguidance_fix_only_where_it_changes_nothing()
                for case in json.loads(path.read_text())]
     changed = [{"type": "array", "maxItems": 2.0}, {"items": {"minLength": 1e0}},
                {"type": "string", "format": "date"}, {"anyOf": [{"format": "date-time"}]},
-               {"properties": {"t": {"type": "string", "format": "time", "pattern": "^1"}}}]
+               {"properties": {"t": {"type": "string", "format": "time", "pattern": "^1"}}},
+               {"items": {"not": {"required": ["a"]}}}]
     for schema in changed:
         assert llguidance_fix_applies(canonical_json(schema))
         assert canonical_json(fix_schema_llguidance(schema)) != canonical_json(schema)
