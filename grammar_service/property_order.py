@@ -123,8 +123,9 @@ _INDEPENDENT = frozenset({
     "type", "enum", "const", "minLength", "maxLength", "pattern", "format", "minimum",
     "maximum", "multipleOf", "minItems", "maxItems", "uniqueItems", "required",
     "minProperties", "maxProperties"})
-# What can leave a node no value (`_impossible`): without them, a node matches something.
-_NARROWING = frozenset({"$ref", "allOf", "anyOf", "oneOf", "enum", "const", "required"})
+# What can leave a node no value that `_impossible` looks for: without them, a node matches
+# something (or is a leaf that contradicts itself, which llguidance reports).
+_NARROWING = frozenset({"$ref", "allOf", "anyOf", "oneOf", "required"})
 _NOT_OBJECT = ("array", "string", "number", "boolean", "null")
 _ARRAY_KEYWORDS = ("type", "items", "minItems", "maxItems")
 _NOT_ARRAY = ("object", "string", "number", "boolean", "null")
@@ -179,6 +180,7 @@ class _Rewriter:
         self._types_of: dict[int, tuple[object, frozenset]] = {}  # id(node) -> (node, `_types`)
         self._impossible_of: dict[int, tuple[object, bool]] = {}  # the same for `_impossible`
         self._merged_of: dict[int, tuple[object, tuple | None]] = {}  # and for `_merge`
+        self._resolved: dict[str, tuple[object, str]] = {}  # $ref -> `resolve`
         self.objects = 0  # object rules written (the rewrite's point)
         # The keys `embed` adds to every embedded node, as JSON text: ',"$schema":...,'
         # '"x-guidance":{...}'.
@@ -415,10 +417,11 @@ class _Rewriter:
     def _types(self, node, depth: int = 0) -> frozenset:
         """The JSON types `node` may match, as far as its own `type`, `const`/`enum` and
         unions say (a superset: every type where nothing says more)."""
+        node = self._through_refs(node)  # (one answer per target)
         known = self._types_of.get(id(node))
         if known is not None:
             return known[1]
-        key, node = node, self._through_refs(node)
+        key = node
         if node is False:
             return frozenset()
         if not isinstance(node, dict) or depth > 16:
@@ -573,6 +576,8 @@ class _Rewriter:
         nothing, or a union whose every branch (with the object keywords beside it) does.
         (A sufficient test: an optional property whose value matches nothing is never
         allowed, as llguidance's own compile leaves it out.)"""
+        if isinstance(node, dict) and node.keys() & _ASSERTIONS == {"$ref"}:
+            node = self._through_refs(node)  # (one answer per target)
         if not isinstance(node, dict) or not node.keys() & _NARROWING:
             return node is False  # most values: a type and what applies to it
         known = self._impossible_of.get(id(node))
@@ -670,6 +675,9 @@ class _Rewriter:
 
     def resolve(self, ref) -> tuple[object, str]:
         """(target node, its pointer) of a local JSON-pointer $ref."""
+        known = self._resolved.get(ref) if isinstance(ref, str) else None
+        if known is not None:
+            return known
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise _Unsupported(f"$ref {ref!r}")
         node = self.root
@@ -681,6 +689,7 @@ class _Rewriter:
                 node = node[int(part)]
             else:
                 raise _Unsupported(f"$ref {ref!r}")
+        self._resolved[ref] = node, ref
         return node, ref
 
     def embed(self, node) -> str:
@@ -910,6 +919,7 @@ class _Bare:
 
     def __init__(self, root):
         self.root = root
+        self._resolved: dict[str, tuple[object, str]] = {}
 
 
 def _check_ids(node, top: bool) -> None:

@@ -79,7 +79,7 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _LLG_FIX_TEXT = re.compile(
     rf'"(?:{"|".join(_COUNTS)})"\s*:\s*-?[0-9]+[.eE]'
     rf'|"format"\s*:\s*"(?:{"|".join(FORMAT_PATTERNS)})"'
-    r'|"not"\s*:\s*\{')
+    r'|"not"\s*:\s*\{\s*"(?:required|anyOf)"')
 
 
 def fix_schema(schema: Any) -> Any:
