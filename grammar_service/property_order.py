@@ -276,16 +276,14 @@ class _Rewriter:
         if not isinstance(node, dict):
             return None
         keys = node.keys() & _ASSERTIONS
-        unions = keys & {"anyOf", "oneOf"}
-        if len(unions) == 1 and keys - unions <= _CONJUNCT_KEYWORDS:
-            (word,) = unions
-            branches = node[word]
+        union = _union(node, keys)
+        if union is not None:
+            word, branches, own = union
             if not (isinstance(branches, list) and branches):
                 return None
             # Keywords beside the union hold in every branch: each branch is the branch
             # with them (the branch itself where they say nothing more: a `type` that
             # every branch implies).
-            own = {k: v for k, v in node.items() if k in keys and k not in unions}  # its order
             within = _type_set(node) if own.keys() == {"type"} else None
             if not own or (within is not None
                            and all(self._types(sub) <= within for sub in branches)):
@@ -593,11 +591,9 @@ class _Rewriter:
         if not isinstance(node, dict):
             return False
         keys = node.keys() & _ASSERTIONS
-        unions = keys & {"anyOf", "oneOf"}
-        if len(unions) == 1 and keys - unions <= _CONJUNCT_KEYWORDS:
-            (word,) = unions
-            branches = node[word]
-            own = {k: v for k, v in node.items() if k in keys and k not in unions}  # its order
+        union = _union(node, keys)
+        if union is not None:
+            _, branches, own = union
             return isinstance(branches, list) and bool(branches) and all(
                 self._impossible({"allOf": [b, own]} if own else b, depth + 1)
                 for b in branches)
@@ -831,6 +827,16 @@ def _apart_objects(a: tuple, b: tuple) -> bool:
                and (k in required_a or k in required_b)
                and not any(_same(x, y) for x in named_a[k] for y in named_b[k])
                for k in named_a.keys() & named_b.keys())
+
+
+def _union(node: dict, keys) -> tuple[str, object, dict] | None:
+    """(anyOf or oneOf, its branches, the keywords beside it in the node's order) of a node
+    with one union beside nothing but what `_merge` takes; else None."""
+    unions = keys & {"anyOf", "oneOf"}
+    if len(unions) != 1 or not keys - unions <= _CONJUNCT_KEYWORDS:
+        return None
+    (word,) = unions
+    return word, node[word], {k: v for k, v in node.items() if k in keys and k != word}
 
 
 def _conjunctive(keys) -> bool:
