@@ -14,7 +14,10 @@ set of listed properties seen: each listed property at most once, the closing br
 once every required one has come, unlisted names (when the schema allows them) any number
 of times, as llguidance's own JSON compiler allows them, with values under
 `additionalProperties` (an object with no listed property, a map, when its values hold
-objects to reorder). The rewrite reaches such objects through local `$ref`s, `anyOf` (a
+objects to reorder). Where every name present has a bit (`additionalProperties: false`),
+`minProperties` and `maxProperties` are conditions on the count of bits set; names that
+require others (`dependentRequired`, or `dependencies` with name lists up to draft 7) are
+conditions on the closing brace. The rewrite reaches such objects through local `$ref`s, `anyOf` (a
 union: the alternation of the branches), `oneOf` whose branches exclude each other (then
 no instance matches two, and oneOf is the union), and arrays with an `items` schema. Two
 branches exclude each other when their types are apart, or they share only objects and
@@ -42,7 +45,8 @@ node takes along every target its `$ref`s reach (a definition, the root, any nod
 
 What stays fixed: objects inside embedded nodes (under an `allOf` with other keywords, a
 `oneOf` not shown apart, `not`, `if`, or next to `patternProperties`, `propertyNames`,
-`min/maxProperties`, `dependencies`, ..., or with more than 64 listed properties). `None`
+`min/maxProperties` where unlisted names may come, schema `dependencies`, ..., or with
+more than 64 listed properties). `None`
 (the caller compiles the schema as it is) when no object would change, when the schema uses
 what the rewrite does not resolve (a `$ref` that is not a local JSON pointer, `$id` below
 the root, anchors), or when the grammar would be much larger than the schema.
@@ -81,12 +85,15 @@ _LEAVES = {
 SIZE_FACTOR = 8
 MIN_BUDGET = 64 * 1024
 
+# Object keywords the parametric rule states with conditions on its bits (`object`): counts
+# of properties and names that require others, where every name present has a bit.
+_COUNTED = frozenset({"minProperties", "maxProperties", "dependencies", "dependentRequired"})
 # Keywords that make a node more than the rewrite states (an object node, an anyOf node, a
 # $ref node or an array node keeps only its own). Keywords of other types on a typed node
 # do not apply to it and are ignored, as JSON Schema says.
 _OBJECT_BLOCKERS = frozenset({
-    "enum", "const", "minProperties", "maxProperties", "patternProperties", "propertyNames",
-    "dependencies", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
+    "enum", "const", "patternProperties", "propertyNames", "dependentSchemas",
+    "unevaluatedProperties",
     "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
     "$recursiveRef", "extends", "disallow",
 })
@@ -97,7 +104,7 @@ _ARRAY_BLOCKERS = frozenset({
 })
 # Every keyword that asserts or applies (so a node with anyOf or $ref and none of these
 # else is exactly that union or that reference).
-_ASSERTIONS = _OBJECT_BLOCKERS | _ARRAY_BLOCKERS | frozenset({
+_ASSERTIONS = _OBJECT_BLOCKERS | _ARRAY_BLOCKERS | _COUNTED | frozenset({
     "type", "properties", "required", "additionalProperties", "items", "minItems",
     "maxItems", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
     "maxLength", "minLength", "pattern", "format", "contentEncoding", "contentMediaType",
@@ -182,6 +189,11 @@ class _Rewriter:
         self._merged_of: dict[int, tuple[object, tuple | None]] = {}  # and for `_merge`
         self._resolved: dict[str, tuple[object, str]] = {}  # $ref -> `resolve`
         self.objects = 0  # object rules written (the rewrite's point)
+        # Names requiring others: `dependencies` up to draft 7, `dependentRequired` from
+        # 2019-09 (the default, as the output check's); the other is no keyword there.
+        draft = schema.get("$schema")
+        self.requires = "dependencies" if isinstance(draft, str) \
+            and re.search(r"draft-0[3-7]/", draft) else "dependentRequired"
         # The keys `embed` adds to every embedded node, as JSON text: ',"$schema":...,'
         # '"x-guidance":{...}'.
         tail = {"x-guidance": x_guidance}
@@ -478,6 +490,10 @@ class _Rewriter:
         names = required + [k for k in allowed if k not in required]
         if len(names) > MAX_PROPERTIES or (not names and extra is False):
             return None
+        counted = _counted(node, names, extra, props, self.requires)
+        if counted is None:
+            return None
+        low, high, needs = counted
         name = self.names[pointer]
         m, rest = f"{name}_m", f"{name}_r"
         members = []
@@ -505,11 +521,19 @@ class _Rewriter:
             return None  # one property, nothing to order inside or out: embedded whole
         self.objects += len(names) > 1 or extra is not False
         self._add(m, f"{m}::_ : " + "\n    | ".join(members))
-        done = f" %if is_ones([0:{len(required)}])" if required else ""
-        more = "" if extra is not False else f" %if not(is_ones([0:{len(names)}]))"
+        # Closing: every required name there, at least `low` names, each name's needs met;
+        # a comma only below `high` names.
+        bits = {key: bit for bit, key in enumerate(names)}
+        ends = ([f"is_ones([0:{len(required)}])"] if required else []) \
+            + ([f"bit_count_ge([0:{len(names)}], {low})"] if low else []) \
+            + [_all(f"bit_set({bits[n]})" for n in needed).join(
+                (f"or(bit_clear({bits[key]}), ", ")")) for key, needed in needs.items()]
+        done = f" %if {_all(ends)}" if ends else ""
+        more = "" if extra is not False else f" %if not(is_ones([0:{len(names)}]))" \
+            if high is None else f" %if bit_count_lt([0:{len(names)}], {min(len(names), high)})"
         self._add(rest, f'{rest}::_ : ""{done}\n    | "," {m}::_{more}')
         full = f'"{{" {m}::0x0 "}}"'
-        return full if required else f'"{{" "}}" | {full}'
+        return full if required or low else f'"{{" "}}" | {full}'
 
     def all_of(self, pointer: str, node: dict) -> str | None:
         """An `allOf` of object schemas (`_merge`): the one object they make together is
@@ -837,6 +861,40 @@ def _union(node: dict, keys) -> tuple[str, object, dict] | None:
         return None
     (word,) = unions
     return word, node[word], {k: v for k, v in node.items() if k in keys and k != word}
+
+
+def _counted(node: dict, names: list[str], extra, listed, requires: str) -> tuple | None:
+    """(minProperties, maxProperties or None, {name: the names it requires, by the keyword
+    `requires`}) of an object node whose listed `names` each have a bit; None when they
+    cannot be stated on the bits: counts where unlisted names may come (they have none), a
+    name required by another that has no bit, a dependency that is a schema."""
+    low, high = node.get("minProperties", 0), node.get("maxProperties")
+    if (low or high is not None) and extra is not False:
+        return None
+    if not (_count(low) and (high is None or _count(high))) or (high is not None and high < 1) \
+            or low > len(names):
+        return None
+    needs: dict[str, list[str]] = {}
+    found = node.get(requires, {})
+    if not isinstance(found, dict):
+        return None
+    for key, needed in found.items():
+        if not (isinstance(needed, list) and all(n in names for n in needed)):
+            return None  # a schema, or a name that cannot be there or be counted
+        if key in names and needed:
+            needs[key] = needed
+        elif key not in names and extra is not False and key not in listed:
+            return None  # it may come unlisted, without a bit
+    return low, high, needs
+
+
+def _all(conditions) -> str:
+    """The parametric conditions, all of them (`and` takes two)."""
+    conditions = list(conditions)
+    out = conditions[-1]
+    for condition in reversed(conditions[:-1]):
+        out = f"and({condition}, {out})"
+    return out
 
 
 def _conjunctive(keys) -> bool:

@@ -178,7 +178,7 @@ def test_what_the_rewrite_leaves_alone():
     # objects with constraints beyond the rewrite's stay llguidance's (fixed order)
     for extra in ({"minProperties": 1}, {"patternProperties": {"^x": {}}},
                   {"allOf": [{"required": ["a"], "minProperties": 1}]},
-                  {"dependentRequired": {"a": ["b"]}}):
+                  {"dependentRequired": {"a": ["zz"]}}):
         schema = {"type": "object", "properties": {"a": {}, "b": {}}, **extra}
         assert any_order_grammar(schema, opts, ws) is None, extra
     # references the rewrite does not resolve
@@ -628,6 +628,56 @@ def test_a_name_never_there_and_an_all_of_beside_a_union(backends, encode):
     _rewritten(backends, encode, never, [
         ('{"x":{"c":1,"b":2}}', True), ('{"x":{"a":1}}', False), ('{"x":"s"}', False),
         ('{"x":{}}', True)], gone='"not"')
+
+
+def test_counts_and_dependencies_on_the_rules_bits(backends, encode):
+    """minProperties / maxProperties where every name present is listed (each has a bit),
+    and names that require others (dependencies, dependentRequired), in any order: random
+    objects and every subset of their names in a random order, judged like jsonschema."""
+    rng = random.Random(20261208)
+    checked = valid_seen = 0
+    for _ in range(24):
+        names = rng.sample(["a", "b", "c", "d", "e"], rng.randint(2, 5))
+        node = {"type": "object", "properties": {n: {"type": "integer"} for n in names},
+                "additionalProperties": False}
+        if rng.random() < 0.5:
+            node["required"] = rng.sample(names, rng.randint(0, 1))
+        low = rng.randint(0, len(names))
+        if rng.random() < 0.7:
+            node["minProperties"] = low
+        if rng.random() < 0.7:
+            node["maxProperties"] = rng.randint(max(low, 1), len(names))
+        if rng.random() < 0.7:  # (the other keyword is none in the schema's draft)
+            key, *others = rng.sample(names, rng.randint(2, len(names)))
+            node[rng.choice(["dependencies", "dependentRequired"])] = {key: others[:2]}
+        schema = {"type": "object", "properties": {"x": node, "y": {"type": "string"}}}
+        if rng.random() < 0.5:
+            schema["$schema"] = "http://json-schema.org/draft-07/schema#"
+        text = any_order_grammar(schema, {}, None)
+        assert text is not None and "%json {\"type\":\"object\"" not in text, (node, text)
+        g = compiled(backends, schema)
+        validator = jsonschema.validators.validator_for(
+            schema, default=jsonschema.Draft202012Validator)(schema)
+        for size in range(len(names) + 1):
+            for _ in range(3):
+                keys = rng.sample(names, size)
+                doc = {"x": {k: 1 for k in keys}, **({"y": "s"} if rng.random() < 0.5 else {})}
+                valid = validator.is_valid(doc)
+                assert accepts(g, encode, json.dumps(doc)) == valid, (node, doc, valid)
+                checked += 1
+                valid_seen += valid
+    assert checked > 250 and 0.2 < valid_seen / checked < 0.8, (checked, valid_seen)
+
+
+def test_counts_where_unlisted_names_may_come_stay_llguidances():
+    for extra in ({"minProperties": 2}, {"maxProperties": 1, "additionalProperties": True},
+                  {"dependentRequired": {"a": {"required": ["b"]}}},
+                  {"dependentRequired": {"zz": ["a"]}}):
+        schema = {"type": "object", "properties": {"x": {
+            "type": "object", "properties": {"a": {}, "b": {}}, **extra},
+            "y": {"type": "object", "properties": {"p": {}, "q": {}}}}}
+        text = any_order_grammar(schema, {}, None)
+        assert text is not None and '{"type":"object","properties":{"a"' in text, (extra, text)
 
 
 def test_an_all_of_with_other_keywords_stays_llguidances():
