@@ -184,9 +184,7 @@ class _Rewriter:
         self.embeds: dict[str, str] = {}  # embedded JSON text -> rule name
         self.terminals: dict[str, str] = {}  # terminal body -> name
         self._defs: dict[str, str] = {}  # $ref -> its `_def_text`
-        self._types_of: dict[int, tuple[object, frozenset]] = {}  # id(node) -> (node, `_types`)
-        self._impossible_of: dict[int, tuple[object, bool]] = {}  # the same for `_impossible`
-        self._merged_of: dict[int, tuple[object, tuple | None]] = {}  # and for `_merge`
+        self._known: dict[tuple[str, int], tuple[object, object]] = {}  # `_once`
         self._resolved: dict[str, tuple[object, str]] = {}  # $ref -> `resolve`
         self.objects = 0  # object rules written (the rewrite's point)
         # Names requiring others: `dependencies` up to draft 7, `dependentRequired` from
@@ -428,14 +426,13 @@ class _Rewriter:
         """The JSON types `node` may match, as far as its own `type`, `const`/`enum` and
         unions say (a superset: every type where nothing says more)."""
         node = self._through_refs(node)  # (one answer per target)
-        known = self._types_of.get(id(node))
-        if known is not None:
-            return known[1]
-        key = node
         if node is False:
             return frozenset()
         if not isinstance(node, dict) or depth > 16:
             return _ALL_TYPES
+        return self._once("types", node, lambda: self._own_types(node, depth))
+
+    def _own_types(self, node: dict, depth: int) -> frozenset:
         types = _type_set(node) or _ALL_TYPES
         values = _values(node)
         if values is not None:
@@ -446,8 +443,16 @@ class _Rewriter:
                 continue
             sets = [self._types(b, depth + 1) for b in branches]
             types &= frozenset.intersection(*sets) if word == "allOf" else frozenset.union(*sets)
-        self._types_of[id(key)] = (key, types)  # the node held: its id stays its own
         return types
+
+    def _once(self, what: str, node, compute):
+        """`compute()` for `node`, once per rewrite (keyed by the node's identity; the node
+        is held, so its id stays its own)."""
+        key = (what, id(node))
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = (node, compute())
+        return known[1]
 
     def _both(self, schemas: list):
         """A schema matching what every one of `schemas` matches (true for none, false when
@@ -563,10 +568,7 @@ class _Rewriter:
         object matches them all when each name's value matches each branch's schema for it
         (its `properties` entry, else its `additionalProperties`, each branch on its own),
         and it holds every branch's required names. None for any other node."""
-        known = self._merged_of.get(id(node))
-        if known is None:
-            known = self._merged_of[id(node)] = (node, self._merged(node))  # node held
-        return known[1]
+        return self._once("merge", node, lambda: self._merged(node))
 
     def _merged(self, node) -> tuple[dict, frozenset] | None:
         branches = self._conjuncts(node)
@@ -602,11 +604,8 @@ class _Rewriter:
             node = self._through_refs(node)  # (one answer per target)
         if not isinstance(node, dict) or not node.keys() & _NARROWING:
             return node is False  # most values: a type and what applies to it
-        known = self._impossible_of.get(id(node))
-        if known is None:
-            known = (node, depth <= 8 and self._proved_impossible(node, depth))
-            self._impossible_of[id(node)] = known  # the node held: its id stays its own
-        return known[1]
+        return self._once("impossible", node,
+                          lambda: depth <= 8 and self._proved_impossible(node, depth))
 
     def _proved_impossible(self, node: dict, depth: int) -> bool:
         if not self._types(node):
@@ -728,7 +727,7 @@ class _Rewriter:
         # Every target the node reaches travels with it under $defs, named by its pointer
         # (`_def_ref`), and every reference is rewritten to it: a target anywhere in the
         # schema (a definition, the root, a property) resolves inside the embedded one.
-        refs = _refs(node, self.root)
+        refs = _refs(node, self.resolve)
         doc = _with_refs(doc)
         if "$defs" in doc and not isinstance(doc["$defs"], dict):
             raise _Unsupported("$defs is not an object")
@@ -932,7 +931,7 @@ def _names_regex(names: list[str]) -> str:
     return "(?:" + "|".join(quoted).replace("/", "\\/") + ")"
 
 
-def _refs(node, root: dict) -> list[str]:
+def _refs(node, resolve) -> list[str]:
     """Every $ref reachable from `node`, following local ones (each target once)."""
     seen: list[str] = []
     stack = [node]
@@ -945,7 +944,7 @@ def _refs(node, root: dict) -> list[str]:
                 if key == "$ref" and isinstance(value, str):
                     if value not in seen:
                         seen.append(value)
-                        stack.append(_Rewriter.resolve(_Bare(root), value)[0])
+                        stack.append(resolve(value)[0])
                 else:
                     stack.append(value)
         elif isinstance(current, list):
@@ -976,14 +975,6 @@ def _local(ref: str) -> bool:
 
 def _dump(value) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-class _Bare:
-    """Just enough of a _Rewriter for `_Rewriter.resolve`."""
-
-    def __init__(self, root):
-        self.root = root
-        self._resolved: dict[str, tuple[object, str]] = {}
 
 
 def _check_ids(node, top: bool) -> None:

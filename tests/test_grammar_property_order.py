@@ -235,6 +235,14 @@ def _random_schema(rng: random.Random, depth: int, defs: dict, unions: bool = Fa
     return node
 
 
+def _random_defs(rng: random.Random, unions: bool = False) -> dict:
+    """Two definitions, p and q (q may refer to p)."""
+    defs: dict = {}
+    for name in ("p", "q"):
+        defs[name] = _random_schema(rng, 2, defs, unions)
+    return defs
+
+
 def _random_union(rng: random.Random, depth: int, defs: dict) -> dict:
     """What the rewrite reaches beyond objects, arrays, $ref and anyOf: a oneOf whose
     branches exclude each other (by type, or by a required name's constant), a `type` beside
@@ -449,9 +457,7 @@ def test_random_schemas_agree_with_jsonschema_in_any_order(backends, encode):
     rng = random.Random(20261205)
     checked = rewritten = valid_seen = 0
     for _ in range(80):
-        defs: dict = {}
-        for name in ("p", "q"):
-            defs[name] = _random_schema(rng, 2, defs)
+        defs = _random_defs(rng)
         schema = {**_random_schema(rng, 3, defs), "$defs": defs}
         schema["type"] = "object"
         schema.setdefault("properties", {"a": {"type": "integer"}, "b": {"type": "string"}})
@@ -470,9 +476,7 @@ def test_unions_and_typed_nodes_agree_with_jsonschema_in_any_order(backends, enc
     rng = random.Random(20261206)
     checked = rewritten = valid_seen = 0
     for _ in range(50):
-        defs: dict = {}
-        for name in ("p", "q"):
-            defs[name] = _random_schema(rng, 2, defs, unions=True)
+        defs = _random_defs(rng, unions=True)
         schema = {"type": "object", "$defs": defs, "properties": {
             "a": _random_union(rng, 3, defs), "b": _random_schema(rng, 2, defs, unions=True),
             "c": {"type": "string"}}}
@@ -488,9 +492,7 @@ def test_all_of_objects_agree_with_jsonschema_in_any_order(backends, encode):
     rng = random.Random(20261207)
     checked = rewritten = valid_seen = unsatisfiable = 0
     for _ in range(50):
-        defs: dict = {}
-        for name in ("p", "q"):
-            defs[name] = _random_schema(rng, 2, defs)
+        defs = _random_defs(rng)
         schema = {"type": "object", "$defs": defs, "properties": {
             "a": _random_all_of(rng, 3, defs), "b": _random_schema(rng, 2, defs),
             "c": {"type": "string"},
