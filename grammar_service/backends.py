@@ -400,7 +400,8 @@ def _llg_grammar(spec, lenient: bool = False, any_order: bool = True) -> str:
             if opts.strict:
                 # options.strict means the same on both backends: xgrammar's strict_mode.
                 schema = forbid_unlisted_properties(schema)
-            text = json.dumps(schema)
+            if fix or opts.strict:  # else the spec's text is the schema's already
+                text = json.dumps(schema)
         if opts.whitespace == "compact":
             ws = {"whitespace_flexible": False}
         elif opts.whitespace == "bounded":

@@ -15,7 +15,9 @@ once every required one has come, unlisted names (when the schema allows them) a
 of times, as llguidance's own JSON compiler allows them, with values under
 `additionalProperties` (an object with no listed property, a map, when its values hold
 objects to reorder). Where every name present has a bit (`additionalProperties: false`),
-`minProperties` and `maxProperties` are conditions on the count of bits set; names that
+`minProperties` and `maxProperties` are conditions on the count of bits set (where unlisted
+names may come, only `minProperties: 1` and `maxProperties: 1`, which the rule's shape
+states: no empty object, no comma); names that
 require others (`dependentRequired`, or `dependencies` with name lists up to draft 7) are
 conditions on the closing brace. The rewrite reaches such objects through local `$ref`s, `anyOf` (a
 union: the alternation of the branches), `oneOf` whose branches exclude each other (then
@@ -45,7 +47,7 @@ node takes along every target its `$ref`s reach (a definition, the root, any nod
 
 What stays fixed: objects inside embedded nodes (under an `allOf` with other keywords, a
 `oneOf` not shown apart, `not`, `if`, or next to `patternProperties`, `propertyNames`,
-`min/maxProperties` where unlisted names may come, schema `dependencies`, ..., or with
+`min/maxProperties` above 1 where unlisted names may come, schema `dependencies`, ..., or with
 more than 64 listed properties). `None`
 (the caller compiles the schema as it is) when no object would change, when the schema uses
 what the rewrite does not resolve (a `$ref` that is not a local JSON pointer, `$id` below
@@ -501,6 +503,22 @@ class _Rewriter:
         low, high, needs = counted
         name = self.names[pointer]
         m, rest = f"{name}_m", f"{name}_r"
+        # Closing: every required name there, at least `low` names (one is the rule's shape:
+        # no empty object below), each name's needs met; a comma only below `high` names.
+        bits = {key: bit for bit, key in enumerate(names)}
+        ends = ([f"is_ones([0:{len(required)}])"] if required else []) \
+            + ([f"bit_count_ge([0:{len(names)}], {low})"] if low > 1 else []) \
+            + [_all(f"bit_set({bits[n]})" for n in needed).join(
+                (f"or(bit_clear({bits[key]}), ", ")")) for key, needed in needs.items()]
+        done = f" %if {_all(ends)}" if ends else ""
+        if extra is False:  # a comma only while a name is left, and below `high` names
+            more = f" %if not(is_ones([0:{len(names)}]))" if high is None \
+                else f" %if bit_count_lt([0:{len(names)}], {min(len(names), high)})"
+            comma = f'\n    | "," {m}::_{more}'
+        else:  # unlisted names come any number of times; with `high` (1), no comma at all
+            comma = f'\n    | "," {m}::_' if high is None else ""
+        # One member and no condition (maxProperties 1, nothing required): no bits at all.
+        bare = not (done or comma)
         members = []
         for bit, key in enumerate(names):
             if key in allowed:
@@ -510,7 +528,8 @@ class _Rewriter:
             else:
                 value = self.embed(True)
             listed = _lark_string(_quote(key))
-            members.append(f'{listed} ":" {value} {rest}::set_bit({bit}) %if bit_clear({bit})')
+            members.append(f'{listed} ":" {value}'
+                           + ("" if bare else f" {rest}::set_bit({bit}) %if bit_clear({bit})"))
         if extra is not False:
             value = (self.node(f"{pointer}/additionalProperties", extra)
                      if isinstance(extra, dict) else self.embed(True))
@@ -519,25 +538,19 @@ class _Rewriter:
             # (with no name listed, any JSON string, escapes and all)
             unlisted = self.terminal(f"/{_KEY}/ & ~/{_names_regex(listed)}/" if listed
                                      else _LEAVES["string"])
-            members.append(f'{unlisted} ":" {value} {rest}::_')
+            members.append(f'{unlisted} ":" {value}' + ("" if bare else f" {rest}::_"))
             if not names and not self._is_rule(value):
                 return None  # a map of values with nothing to order: embedded whole
         elif len(names) == 1 and not self._is_rule(value):
             return None  # one property, nothing to order inside or out: embedded whole
         self.objects += len(names) > 1 or extra is not False
-        self._add(m, f"{m}::_ : " + "\n    | ".join(members))
-        # Closing: every required name there, at least `low` names, each name's needs met;
-        # a comma only below `high` names.
-        bits = {key: bit for bit, key in enumerate(names)}
-        ends = ([f"is_ones([0:{len(required)}])"] if required else []) \
-            + ([f"bit_count_ge([0:{len(names)}], {low})"] if low else []) \
-            + [_all(f"bit_set({bits[n]})" for n in needed).join(
-                (f"or(bit_clear({bits[key]}), ", ")")) for key, needed in needs.items()]
-        done = f" %if {_all(ends)}" if ends else ""
-        more = "" if extra is not False else f" %if not(is_ones([0:{len(names)}]))" \
-            if high is None else f" %if bit_count_lt([0:{len(names)}], {min(len(names), high)})"
-        self._add(rest, f'{rest}::_ : ""{done}\n    | "," {m}::_{more}')
-        full = f'"{{" {m}::0x0 "}}"'
+        if bare:
+            self._add(m, f"{m}: " + "\n    | ".join(members))
+            full = f'"{{" {m} "}}"'
+        else:
+            self._add(m, f"{m}::_ : " + "\n    | ".join(members))
+            self._add(rest, f'{rest}::_ : ""{done}{comma}')
+            full = f'"{{" {m}::0x0 "}}"'
         return full if required or low else f'"{{" "}}" | {full}'
 
     def all_of(self, pointer: str, node: dict) -> str | None:
@@ -865,14 +878,18 @@ def _union(node: dict, keys) -> tuple[str, object, dict] | None:
 def _counted(node: dict, names: list[str], extra, listed, requires: str) -> tuple | None:
     """(minProperties, maxProperties or None, {name: the names it requires, by the keyword
     `requires`}) of an object node whose listed `names` each have a bit; None when they
-    cannot be stated on the bits: counts where unlisted names may come (they have none), a
-    name required by another that has no bit, a dependency that is a schema."""
+    cannot be stated: counts where unlisted names may come (they have no bit) but "not
+    empty" and "at most one" (the rule's shape states those), a name required by another
+    that has no bit, a dependency that is a schema, more names required than allowed."""
     low, high = node.get("minProperties", 0), node.get("maxProperties")
-    if (low or high is not None) and extra is not False:
+    if not (_count(low) and (high is None or _count(high))) or (high is not None and high < 1):
         return None
-    if not (_count(low) and (high is None or _count(high))) or (high is not None and high < 1) \
-            or low > len(names):
+    if extra is False and low > len(names):
         return None
+    if extra is not False and (low > 1 or high not in (None, 1)):
+        return None
+    if high is not None and len(set(node.get("required", ()))) > high:
+        return None  # unsatisfiable: llguidance says so
     needs: dict[str, list[str]] = {}
     found = node.get(requires, {})
     if not isinstance(found, dict):

@@ -176,7 +176,7 @@ def test_what_the_rewrite_leaves_alone():
     assert any_order_grammar({"type": "object", "properties": {"a": {}},
                               "additionalProperties": False}, opts, ws) is None
     # objects with constraints beyond the rewrite's stay llguidance's (fixed order)
-    for extra in ({"minProperties": 1}, {"patternProperties": {"^x": {}}},
+    for extra in ({"minProperties": 2}, {"patternProperties": {"^x": {}}},
                   {"allOf": [{"required": ["a"], "minProperties": 1}]},
                   {"dependentRequired": {"a": ["zz"]}}):
         schema = {"type": "object", "properties": {"a": {}, "b": {}}, **extra}
@@ -671,8 +671,49 @@ def test_counts_and_dependencies_on_the_rules_bits(backends, encode):
     assert checked > 250 and 0.2 < valid_seen / checked < 0.8, (checked, valid_seen)
 
 
+def test_not_empty_and_at_most_one_where_unlisted_names_may_come(backends, encode):
+    """minProperties 1 and maxProperties 1 beside unlisted names (which have no bit): the
+    rule's shape states them (no empty object; no comma), listed and unlisted names alike,
+    in any order: random objects and documents of listed and unlisted names, judged like
+    jsonschema."""
+    rng = random.Random(20261206)
+    checked = valid_seen = 0
+    for _ in range(24):
+        names = rng.sample(["a", "b", "c", "d"], rng.randint(1, 4))
+        node = {"type": "object", "properties": {n: {"type": "integer"} for n in names}}
+        if rng.random() < 0.5:
+            node["additionalProperties"] = rng.choice([{"type": "integer"}, {"type": "string"},
+                                                       True])
+        if rng.random() < 0.3:
+            node["required"] = rng.sample(names, 1)
+        low, high = rng.choice([(1, None), (0, 1), (1, 1), (1, 1)])
+        if low:
+            node["minProperties"] = low
+        if high is not None:
+            node["maxProperties"] = high
+        schema = {"type": "object", "properties": {"x": node, "y": {"type": "string"}}}
+        text = any_order_grammar(schema, {}, None)
+        assert text is not None and '%json {"type":"object","properties"' not in text, \
+            (node, text)
+        g = compiled(backends, schema)
+        validator = jsonschema.Draft202012Validator(schema)
+        pool = names + ["u", "v"]
+        for size in range(4):
+            for _ in range(3):
+                keys = rng.sample(pool, size)
+                doc = {"x": {k: 1 if k in names or rng.random() < 0.5 else "s" for k in keys}}
+                if rng.random() < 0.5:
+                    doc["y"] = "s"
+                valid = validator.is_valid(doc)
+                assert accepts(g, encode, json.dumps(doc)) == valid, (node, doc, valid)
+                checked += 1
+                valid_seen += valid
+    assert checked > 250 and 0.2 < valid_seen / checked < 0.8, (checked, valid_seen)
+
+
 def test_counts_where_unlisted_names_may_come_stay_llguidances():
-    for extra in ({"minProperties": 2}, {"maxProperties": 1, "additionalProperties": True},
+    for extra in ({"minProperties": 2}, {"maxProperties": 2, "additionalProperties": True},
+                  {"maxProperties": 1, "required": ["a", "b"]},
                   {"dependentRequired": {"a": {"required": ["b"]}}},
                   {"dependentRequired": {"zz": ["a"]}}):
         schema = {"type": "object", "properties": {"x": {
