@@ -29,11 +29,13 @@ instances rejected, invalid instances accepted (reported unenforced at compile /
 compile p50/p99/max (validation + compile + serialise + the rank's deserialise and first
 matcher: the path to a request's first mask) and mask p50/p99 (one row, one thread).
 
---jobs N runs N such worker processes at once, each taking whole schemas from a shared
-queue (a schema's three modes stay together in one worker, each worker with its own deadline
-and restarts); results are reported in the corpus's order, so the table is that of --jobs 1
-but for the timings. Timings are per process, one thread each: keep N at or below half the
-cores, or the compiles and masks compete for them (and for the deadline).
+Each mode runs in worker processes of its own, one mode after another: a process that timed
+xgrammar's compiles (seconds and hundreds of MB on some schemas) would carry their heap into
+the next mode's timings. --jobs N runs N worker processes per mode at once, each taking
+schemas from a shared queue (each worker with its own deadline and restarts); results are
+reported in the corpus's order, so the table is that of --jobs 1 but for the timings.
+Timings are per process, one thread each: keep N at or below half the cores, or the
+compiles and masks compete for them (and for the deadline).
 
 With --tokenizer (e.g. .bench/tok150k.json, a byte-level BPE from bench/serve.py
 --train-tokenizer), the vocabulary is that tokenizer's; otherwise the default model's.
@@ -227,33 +229,39 @@ class Worker:
 
 def run_all(corpus: list[dict], model_dir: Path, timeout: float, jobs: int) -> list[list]:
     """Per schema of `corpus`, in its order: a row per mode of MODES (None: timeout/crash).
-    `jobs` workers take whole schemas from a shared queue."""
-    rows: list = [None] * len(corpus)
-    todo: queue.SimpleQueue = queue.SimpleQueue()
-    for i in range(len(corpus)):
-        todo.put(i)
-    done, start = itertools.count(1), time.perf_counter()
+    Each mode runs in worker processes of its own, one mode after another, so that one
+    mode's compiles (xgrammar's take seconds and hundreds of MB on some schemas) leave
+    nothing behind in the process that times another's; `jobs` workers per mode take
+    schemas from a shared queue."""
+    rows: list = [[None] * len(MODES) for _ in corpus]
+    start = time.perf_counter()
+    for k, mode in enumerate(MODES):
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(len(corpus)):
+            todo.put(i)
+        done = itertools.count(1)
 
-    def serve() -> None:
-        worker = Worker(model_dir)
-        try:
-            while True:
-                try:
-                    i = todo.get_nowait()
-                except queue.Empty:
-                    return
-                entry = corpus[i]
-                rows[i] = [worker.run((entry["schema"], entry["instances"], mode), timeout)
-                           for mode in MODES]
-                if (n := next(done)) % 25 == 0:
-                    print(f"# {n}/{len(corpus)} schemas, {time.perf_counter() - start:.0f} s",
-                          file=sys.stderr, flush=True)
-        finally:
-            worker.close()
+        def serve(mode=mode, k=k, todo=todo, done=done) -> None:
+            worker = Worker(model_dir)
+            try:
+                while True:
+                    try:
+                        i = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    entry = corpus[i]
+                    rows[i][k] = worker.run((entry["schema"], entry["instances"], mode),
+                                            timeout)
+                    if (n := next(done)) % 25 == 0:
+                        print(f"# {mode}: {n}/{len(corpus)} schemas, "
+                              f"{time.perf_counter() - start:.0f} s", file=sys.stderr,
+                              flush=True)
+            finally:
+                worker.close()
 
-    with ThreadPoolExecutor(jobs) as pool:
-        for future in [pool.submit(serve) for _ in range(jobs)]:
-            future.result()
+        with ThreadPoolExecutor(jobs) as pool:
+            for future in [pool.submit(serve) for _ in range(jobs)]:
+                future.result()
     return rows
 
 

@@ -89,11 +89,11 @@ class Judge:
         """Compile `schema` (parsed JSON) in `mode`; `options`: GrammarOptions fields
         (e.g. strict=True). Never raises for what a user can send: the error is recorded."""
         out = Build(mode)
+        text = json.dumps(schema)  # what a client sends: its encoding is not the service's
         start = time.perf_counter()
         try:
             opts = common_pb2.GrammarOptions(backend=_FORCED[mode], **options)
-            spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema),
-                                                     options=opts))
+            spec = parse_spec(common_pb2.GrammarSpec(json_schema=text, options=opts))
             compiled = compile_spec(spec, self.service)
         except Exception as exc:  # InvalidArgument, BackendError, StrictRefused, RuntimeError
             out.error = f"{type(exc).__name__}: {_first_line(str(exc))}"
