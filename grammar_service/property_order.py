@@ -19,7 +19,10 @@ objects to reorder). Where every name present has a bit (`additionalProperties: 
 names may come, only `minProperties: 1` and `maxProperties: 1`, which the rule's shape
 states: no empty object, no comma); names that
 require others (`dependentRequired`, or `dependencies` with name lists up to draft 7) are
-conditions on the closing brace. The rewrite reaches such objects through local `$ref`s, `anyOf` (a
+conditions on the closing brace. `patternProperties` are members without a bit whose key is
+llguidance's JSON string with the pattern (embedded), where a name a pattern matches takes
+nothing else (`_patterns`: `additionalProperties: false`, no listed name matched, patterns
+apart). The rewrite reaches such objects through local `$ref`s, `anyOf` (a
 union: the alternation of the branches), `oneOf` whose branches exclude each other (then
 no instance matches two, and oneOf is the union), and arrays with an `items` schema. Two
 branches exclude each other when their types are apart, or they share only objects and
@@ -46,7 +49,7 @@ node takes along every target its `$ref`s reach (a definition, the root, any nod
 `$defs`, its references rewritten to them.
 
 What stays fixed: objects inside embedded nodes (under an `allOf` with other keywords, a
-`oneOf` not shown apart, `not`, `if`, or next to `patternProperties`, `propertyNames`,
+`oneOf` not shown apart, `not`, `if`, or next to other `patternProperties`, `propertyNames`,
 `min/maxProperties` above 1 where unlisted names may come, schema `dependencies`, ..., or with
 more than 64 listed properties). `None`
 (the caller compiles the schema as it is) when no object would change, when the schema uses
@@ -94,7 +97,7 @@ _COUNTED = frozenset({"minProperties", "maxProperties", "dependencies", "depende
 # $ref node or an array node keeps only its own). Keywords of other types on a typed node
 # do not apply to it and are ignored, as JSON Schema says.
 _OBJECT_BLOCKERS = frozenset({
-    "enum", "const", "patternProperties", "propertyNames", "dependentSchemas",
+    "enum", "const", "propertyNames", "dependentSchemas",
     "unevaluatedProperties",
     "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
     "$recursiveRef", "extends", "disallow",
@@ -107,7 +110,8 @@ _ARRAY_BLOCKERS = frozenset({
 # Every keyword that asserts or applies (so a node with anyOf or $ref and none of these
 # else is exactly that union or that reference).
 _ASSERTIONS = _OBJECT_BLOCKERS | _ARRAY_BLOCKERS | _COUNTED | frozenset({
-    "type", "properties", "required", "additionalProperties", "items", "minItems",
+    "type", "properties", "required", "additionalProperties", "patternProperties", "items",
+    "minItems",
     "maxItems", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
     "maxLength", "minLength", "pattern", "format", "contentEncoding", "contentMediaType",
     "divisibleBy",
@@ -495,9 +499,14 @@ class _Rewriter:
         if any(r not in allowed and (r in props or extra is False) for r in required):
             return None  # unsatisfiable: llguidance says so
         names = required + [k for k in allowed if k not in required]
-        if len(names) > MAX_PROPERTIES or (not names and extra is False):
+        patterns = self._patterns(pointer, node, props, extra)
+        if patterns is None:
             return None
-        counted = _counted(node, names, extra, props, self.requires)
+        if len(names) > MAX_PROPERTIES or (not names and not patterns and extra is False):
+            return None
+        # Names without a bit may come: unlisted ones, or ones a pattern matches.
+        closed = extra is False and not patterns
+        counted = _counted(node, names, False if closed else True, props, self.requires)
         if counted is None:
             return None
         low, high, needs = counted
@@ -511,11 +520,11 @@ class _Rewriter:
             + [_all(f"bit_set({bits[n]})" for n in needed).join(
                 (f"or(bit_clear({bits[key]}), ", ")")) for key, needed in needs.items()]
         done = f" %if {_all(ends)}" if ends else ""
-        if extra is False:  # a comma only while a name is left, and below `high` names
+        if closed:  # a comma only while a name is left, and below `high` names
             more = f" %if not(is_ones([0:{len(names)}]))" if high is None \
                 else f" %if bit_count_lt([0:{len(names)}], {min(len(names), high)})"
             comma = f'\n    | "," {m}::_{more}'
-        else:  # unlisted names come any number of times; with `high` (1), no comma at all
+        else:  # names without a bit come any number of times; with `high` (1), no comma
             comma = f'\n    | "," {m}::_' if high is None else ""
         # One member and no condition (maxProperties 1, nothing required): no bits at all.
         bare = not (done or comma)
@@ -541,9 +550,13 @@ class _Rewriter:
             members.append(f'{unlisted} ":" {value}' + ("" if bare else f" {rest}::_"))
             if not names and not self._is_rule(value):
                 return None  # a map of values with nothing to order: embedded whole
-        elif len(names) == 1 and not self._is_rule(value):
+        elif len(names) == 1 and not patterns and not self._is_rule(value):
             return None  # one property, nothing to order inside or out: embedded whole
-        self.objects += len(names) > 1 or extra is not False
+        for key, value in patterns:
+            members.append(f'{key} ":" {value}' + ("" if bare else f" {rest}::_"))
+        if not names and extra is False and not any(self._is_rule(v) for _, v in patterns):
+            return None  # names a pattern matches, values with nothing to order: embedded
+        self.objects += len(names) > 1 or not closed
         if bare:
             self._add(m, f"{m}: " + "\n    | ".join(members))
             full = f'"{{" {m} "}}"'
@@ -552,6 +565,36 @@ class _Rewriter:
             self._add(rest, f'{rest}::_ : ""{done}{comma}')
             full = f'"{{" {m}::0x0 "}}"'
         return full if required or low else f'"{{" "}}" | {full}'
+
+    def _patterns(self, pointer: str, node: dict, props: dict, extra) -> list | None:
+        """[(key rule, value rule)] of a node's `patternProperties` ([] without them), or None
+        where the rewrite cannot state them exactly. A name a pattern matches takes that
+        pattern's schema: the key is llguidance's JSON string with the pattern (escapes and
+        all, as its compiler checks names), embedded. Stated only where such a name takes
+        nothing else: `additionalProperties: false` (an unlisted name's terminal cannot
+        leave out the names a pattern matches), no listed name matched by a pattern
+        (`_may_match`: it would take both schemas), and no name matched by two patterns
+        (one pattern, or patterns anchored to literal prefixes apart)."""
+        patterns = node.get("patternProperties")
+        if patterns is None:
+            return []
+        if not (isinstance(patterns, dict) and patterns and extra is False
+                and all(isinstance(v, (bool, dict)) for v in patterns.values())):
+            return None
+        if any(_may_match(pattern, name) for pattern in patterns for name in props):
+            return None
+        if len(patterns) > 1:
+            prefixes = [_literal_prefix(pattern) for pattern in patterns]
+            if not all(prefixes) or any(a.startswith(b) for a in prefixes for b in prefixes
+                                        if a is not b):
+                return None
+        out = []
+        for pattern, sub in patterns.items():
+            if sub is False or self._impossible(sub):
+                continue  # no name it matches is allowed (additionalProperties is false)
+            value = self.node(f"{pointer}/patternProperties/{_escape(pattern)}", sub)
+            out.append((self.embed({"type": "string", "pattern": pattern}), value))
+        return out
 
     def all_of(self, pointer: str, node: dict) -> str | None:
         """An `allOf` of object schemas (`_merge`): the one object they make together is
@@ -902,6 +945,27 @@ def _counted(node: dict, names: list[str], extra, listed, requires: str) -> tupl
         elif key not in names and extra is not False and key not in listed:
             return None  # it may come unlisted, without a bit
     return low, high, needs
+
+
+def _may_match(pattern: str, name: str) -> bool:
+    """Whether the ECMA-262 regex `pattern` may match somewhere in `name`: Python's `re`,
+    with ASCII and with Unicode classes, matching more where the two differ (`.`, `$`
+    before a final newline); a pattern `re` cannot read may match."""
+    try:
+        return any(re.search(pattern, name, flags) for flags in (re.ASCII, 0))
+    except (re.error, RecursionError, OverflowError):
+        return True
+
+
+def _literal_prefix(pattern: str) -> str:
+    """The literal text every match of an anchored pattern (`^abc...`, no alternation)
+    begins with; "" for none."""
+    if not pattern.startswith("^") or "|" in pattern:
+        return ""
+    found = re.match(r"[A-Za-z0-9_\-]*", pattern[1:]).group()
+    # a quantifier after the prefix's last character makes that character optional
+    rest = pattern[1 + len(found):]
+    return found[:-1] if rest[:1] in ("?", "*", "{") else found
 
 
 def _all(conditions) -> str:

@@ -711,6 +711,84 @@ def test_not_empty_and_at_most_one_where_unlisted_names_may_come(backends, encod
     assert checked > 250 and 0.2 < valid_seen / checked < 0.8, (checked, valid_seen)
 
 
+def test_pattern_properties_in_any_order(backends, encode):
+    """Names a pattern matches take the pattern's schema, listed names theirs, in any order,
+    where nothing else takes them (`additionalProperties: false`, no listed name matched,
+    patterns apart by their literal prefixes): random objects and documents of listed
+    names, names each pattern matches and names none does, judged like jsonschema."""
+    rng = random.Random(20261209)
+    values = [{"type": "integer"}, {"type": "string"}, {"enum": ["p", "q"]},
+              {"type": "object", "properties": {"k": {"type": "integer"}, "l": {}},
+               "required": ["k"]}]
+    checked = valid_seen = 0
+    for _ in range(20):
+        names = rng.sample(["a", "b", "c"], rng.randint(1, 3))
+        node = {"type": "object", "properties": {n: rng.choice(values) for n in names},
+                "additionalProperties": False}
+        prefixes = rng.sample(["x-", "de_", "body"], rng.randint(1, 2))
+        node["patternProperties"] = {
+            f"^{p}" + rng.choice(["", "[a-z]+$", "[0-9]"]): rng.choice(values + [True])
+            for p in prefixes}
+        if names and rng.random() < 0.4:
+            node["required"] = rng.sample(names, 1)
+        if rng.random() < 0.3:
+            node["maxProperties" if rng.random() < 0.5 else "minProperties"] = 1
+        schema = {"type": "object", "properties": {"x": node, "y": {"type": "string"}}}
+        text = any_order_grammar(schema, {}, None)
+        assert text is not None and '"patternProperties"' not in text, (node, text)
+        g = compiled(backends, schema)
+        validator = jsonschema.Draft202012Validator(schema)
+        pool = names + [p + rng.choice(["a", "z", "7", "a7"]) for p in prefixes for _ in (0, 1)]
+        samples = [1, 1, "p", "p", "s", {"k": 1}, {"l": 1}, None]
+        for size in range(5):
+            for _ in range(4):
+                keys = rng.sample(pool, min(size, len(pool))) + (["zz"] if rng.random() < 0.1
+                                                                    else [])
+                doc = {"x": {k: _fitting(node, k) if rng.random() < 0.8 else rng.choice(samples)
+                             for k in keys}}
+                if rng.random() < 0.5:
+                    doc["y"] = "s"
+                valid = validator.is_valid(doc)
+                text = json.dumps(doc)
+                if '"x-' in text and rng.random() < 0.2:
+                    # The same name with a \u escape: llguidance's JSON strings take \u only
+                    # for what must be escaped (its own compile refuses it too): stricter.
+                    escaped = text.replace('"x-', '"\\u0078-')
+                    assert not accepts(g, encode, escaped), (node, escaped)
+                assert accepts(g, encode, text) == valid, (node, text, valid)
+                checked += 1
+                valid_seen += valid
+    assert checked > 300 and 0.15 < valid_seen / checked < 0.8, (checked, valid_seen)
+
+
+def _fitting(node: dict, name: str):
+    """A value for `name` in an object `node` of test_pattern_properties_in_any_order that
+    its schema takes when the name is allowed."""
+    sub = node["properties"].get(name)
+    if sub is None:
+        sub = next((v for k, v in node["patternProperties"].items()
+                    if name.startswith(k[1:].split("[")[0])), True)
+    return {"integer": 1, "string": "s", "object": {"k": 1}}.get(
+        sub.get("type") if isinstance(sub, dict) else None,
+        "p" if isinstance(sub, dict) and "enum" in sub else None)
+
+
+def test_pattern_properties_the_rewrite_leaves_to_llguidance():
+    """Where a name could take a pattern's schema and another's, the object stays
+    llguidance's: unlisted names allowed beside patterns, a listed name a pattern matches,
+    patterns not shown apart."""
+    for extra in ({"patternProperties": {"^x": {}}},
+                  {"patternProperties": {"^x": {}}, "additionalProperties": True},
+                  {"patternProperties": {"^a": {}}, "additionalProperties": False},
+                  {"patternProperties": {"^x": {}, "^xy": {}}, "additionalProperties": False},
+                  {"patternProperties": {"x": {}, "^y": {}}, "additionalProperties": False}):
+        schema = {"type": "object", "properties": {"x": {
+            "type": "object", "properties": {"a": {}, "b": {}}, **extra},
+            "y": {"type": "object", "properties": {"p": {}, "q": {}}}}}
+        text = any_order_grammar(schema, {}, None)
+        assert text is not None and '"patternProperties"' in text, (extra, text)
+
+
 def test_counts_where_unlisted_names_may_come_stay_llguidances():
     for extra in ({"minProperties": 2}, {"maxProperties": 2, "additionalProperties": True},
                   {"maxProperties": 1, "required": ["a", "b"]},
