@@ -507,7 +507,7 @@ class _Rewriter:
             return None
         # Names without a bit may come: unlisted ones, or ones a pattern matches.
         closed = extra is False and not patterns
-        counted = _counted(node, names, False if closed else True, props, self.requires)
+        counted = _counted(node, names, closed, props, self.requires)
         if counted is None:
             return None
         low, high, needs = counted
@@ -570,8 +570,8 @@ class _Rewriter:
     def _patterns(self, pointer: str, node: dict, props: dict, extra) -> list | None:
         """[(key rule, value rule)] of a node's `patternProperties` ([] without them), or None
         where the rewrite cannot state them exactly. A name a pattern matches takes that
-        pattern's schema: the key is llguidance's JSON string with the pattern (escapes and
-        all, as its compiler checks names), embedded. Stated only where such a name takes
+        pattern's schema: the key is `_pattern_terminal`'s, else llguidance's JSON string with
+        the pattern, embedded. Stated only where such a name takes
         nothing else: `additionalProperties: false` (an unlisted name's terminal cannot
         leave out the names a pattern matches), no listed name matched by a pattern
         (`_may_match`: it would take both schemas), and no name matched by two patterns
@@ -921,7 +921,7 @@ def _union(node: dict, keys) -> tuple[str, object, dict] | None:
     return word, node[word], {k: v for k, v in node.items() if k in keys and k != word}
 
 
-def _counted(node: dict, names: list[str], extra, listed, requires: str) -> tuple | None:
+def _counted(node: dict, names: list[str], closed: bool, listed, requires: str) -> tuple | None:
     """(minProperties, maxProperties or None, {name: the names it requires, by the keyword
     `requires`}) of an object node whose listed `names` each have a bit; None when they
     cannot be stated: counts where unlisted names may come (they have no bit) but "not
@@ -930,9 +930,9 @@ def _counted(node: dict, names: list[str], extra, listed, requires: str) -> tupl
     low, high = node.get("minProperties", 0), node.get("maxProperties")
     if not (_count(low) and (high is None or _count(high))) or (high is not None and high < 1):
         return None
-    if extra is False and low > len(names):
+    if closed and low > len(names):
         return None
-    if extra is not False and (low > 1 or high not in (None, 1)):
+    if not closed and (low > 1 or high not in (None, 1)):
         return None
     if high is not None and len(set(node.get("required", ()))) > high:
         return None  # unsatisfiable: llguidance says so
@@ -945,7 +945,7 @@ def _counted(node: dict, names: list[str], extra, listed, requires: str) -> tupl
             return None  # a schema, or a name that cannot be there or be counted
         if key in names and needed:
             needs[key] = needed
-        elif key not in names and extra is not False and key not in listed:
+        elif key not in names and not closed and key not in listed:
             return None  # it may come unlisted, without a bit
     return low, high, needs
 
@@ -960,10 +960,12 @@ def _may_match(pattern: str, name: str) -> bool:
         return True
 
 
+# Characters a pattern's literal prefix is read from (none is special in a regex).
+_LITERAL = r"[A-Za-z0-9_-]*"
 # An anchored pattern of a literal prefix and at most one ASCII class: `^x-`,
 # `^headline_[a-zA-Z0-9_]+`, `^[a-z]*$`.
 _SIMPLE_PATTERN = re.compile(
-    r"\^([A-Za-z0-9_-]*)(?:\[((?:[a-z]-[a-z]|[A-Z]-[A-Z]|[0-9]-[0-9]|[A-Za-z0-9_])+-?)\]"
+    rf"\^({_LITERAL})(?:\[((?:[a-z]-[a-z]|[A-Z]-[A-Z]|[0-9]-[0-9]|[A-Za-z0-9_])+-?)\]"
     r"([+*]?))?(\$?)")
 
 
@@ -971,8 +973,7 @@ def _pattern_terminal(pattern: str) -> str | None:
     """A Lark terminal for the names a simple pattern (`_SIMPLE_PATTERN`) matches, as JSON
     strings: the prefix and the class's characters as they are (none needs an escape), the
     rest of the name (where the pattern is not anchored at its end) as unlisted names are
-    written (`_KEY`). None
-    for other patterns (embedded as llguidance's JSON string with the pattern). Its lexer
+    written (`_KEY`). None for other patterns (embedded as llguidance's JSON string with the pattern). Its lexer
     states repeat where the embed's do not, so masks inside such names are computed in bulk
     (SchemaStore's ninjs: 6 masks over 300 µs in a document against 2)."""
     found = _SIMPLE_PATTERN.fullmatch(pattern)
@@ -988,7 +989,7 @@ def _literal_prefix(pattern: str) -> str:
     begins with; "" for none."""
     if not pattern.startswith("^") or _alternation(pattern):
         return ""
-    found = re.match(r"[A-Za-z0-9_\-]*", pattern[1:]).group()
+    found = re.match(_LITERAL, pattern[1:]).group()
     # a quantifier after the prefix's last character makes that character optional
     rest = pattern[1 + len(found):]
     return found[:-1] if rest[:1] in ("?", "*", "{") else found
