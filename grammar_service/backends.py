@@ -508,6 +508,12 @@ class LLGuidanceMatcher:
         """The text so far is a complete instance: a stop token may come next."""
         return self._m.is_accepting()
 
+    def is_stopped(self) -> bool:
+        """The grammar has ended: it allows nothing but a stop token (its mask would be the
+        EOS ids alone), known without computing a mask. False does not say more tokens may
+        follow (llguidance may find out only at the next mask)."""
+        return self._m.is_stopped() and not self._m.is_error()
+
     def error(self) -> str:
         """llguidance's error message ('' when none): a parser limit hit mid-generation
         leaves the matcher allowing nothing, which the engine reports as a dead end (I6)."""

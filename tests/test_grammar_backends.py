@@ -207,6 +207,38 @@ def test_llguidance_writes_every_word_of_its_row_in_xgrammars_layout(
     assert torch.equal(rows[XGRAMMAR], rows[LLGUIDANCE])
 
 
+@pytest.mark.parametrize("kind, text, ends", [
+    ({"json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})},
+     '{"a":12}', True),
+    ({"json_schema": json.dumps({"type": "array", "items": {"enum": ["x", "yz"]}})},
+     '["x","yz"]', True),
+    ({"json_schema": json.dumps({"type": "integer", "maximum": 12})}, "12", True),
+    ({"json_schema": json.dumps({"type": "number"})}, "1.5", False),  # more digits may come
+    ({"regex": "(ab|abc)d?"}, "abcd", True),
+    ({"regex": "(ab|abc)d?"}, "abc", False),
+    ({"choice": common_pb2.ChoiceList(choices=["yes", "no"])}, "yes", True),
+])
+def test_llguidance_stopped_means_the_mask_is_the_stop_ids_alone(backends, ranks, vocab,
+                                                                  kind, text, ends):
+    # The engine ends an output without a mask where the matcher says it is stopped: at every
+    # position, stopped must imply a mask of exactly the EOS ids (the reverse need not hold).
+    m = round_trip(backends, ranks, spec_of(**kind), LLGUIDANCE)
+    words = (vocab.model_vocab_size + 31) // 32
+    eos = torch.zeros(words * 32, dtype=torch.bool)
+    eos[list(vocab.eos_token_ids)] = True
+    mask = torch.zeros((1, words), dtype=torch.int32)
+    seen = []
+    for token in vocab.encode(text, add_special_tokens=False):
+        assert m.accept_token(token)
+        m.fill_next_token_bitmask(mask, 0)
+        bits = ((mask[0].to(torch.int64)[:, None] >> torch.arange(32)) & 1).flatten().bool()
+        seen.append(m.is_stopped())
+        if seen[-1]:
+            assert torch.equal(bits, eos) and m.is_completed()
+    assert seen == [False] * (len(seen) - 1) + [ends]
+    assert m.accept_token(vocab.eos_token_ids[0]) and m.is_terminated()
+
+
 def test_llguidance_matcher_refuses_a_bitmask_of_another_width(backends, ranks, vocab):
     m = round_trip(backends, ranks, spec_of(regex="a"), LLGUIDANCE)
     with pytest.raises(ValueError, match="bitmask"):
