@@ -119,8 +119,8 @@ class Stack:
     """`gramserve up` as a subprocess in its own session; `stop` ends it and everything it
     started (their process groups, found while they live)."""
 
-    def __init__(self, args: list[str], env: dict, log_path: Path):
-        self.args, self.env, self.log_path = args, env, log_path
+    def __init__(self, args: list[str], env: dict, log_path: Path, cwd: Path = ROOT):
+        self.args, self.env, self.log_path, self.cwd = args, env, log_path, cwd
         self.proc: subprocess.Popen | None = None
         self.lines: queue.Queue[str] = queue.Queue()
         self.addr = ""
@@ -132,7 +132,7 @@ class Stack:
         log = self.log_path.open("a")
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", *self.args],
                                      stdout=subprocess.PIPE, stderr=log, text=True,
-                                     env=self.env, start_new_session=True, cwd=ROOT)
+                                     env=self.env, start_new_session=True, cwd=self.cwd)
         threading.Thread(target=self._read, args=(log,), daemon=True).start()
         deadline = time.monotonic() + timeout
         while True:
@@ -425,7 +425,8 @@ def start_profile(pids: dict[str, int], ns, name: str) -> list[subprocess.Popen]
         if role not in pids:
             continue
         for mode in ("--idle", "--gil") if ns.profile_gil else ("--idle",):
-            out = ns.out / f"pyspy-{name}-{role}{'-gil' if mode == '--gil' else ''}.txt"
+            out = ns.out / (f"pyspy-{name}-{role}{'-gil' if mode == '--gil' else ''}.txt"
+                            .replace("@", "-"))
             spies.append(subprocess.Popen(
                 [exe, "record", "-p", str(pids[role]), "-d", str(max(1, int(ns.duration or 5))),
                  "-r", "250", "--threads", mode, "-f", "raw", "-o", str(out), "--nonblocking"],
@@ -640,19 +641,23 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
 
 
 def settings_ratios(rows: list[dict]) -> list[str]:
-    """Lines 'shortcuts <setting> ÷ off' per run measured under both settings: output
-    tokens/s of the same round, interleaved, and their median over rounds."""
+    """Lines 'shortcuts <setting> ÷ off' (and '<setting> ÷ <setting>@base': this code over
+    the base tree's) per run measured under both: output tokens/s of the same round,
+    interleaved, and their median over rounds."""
     tps = {(r["concurrency"], r["family"], r["ratio"], r.get("shortcuts"), r.get("round", 1)):
            r["output_tokens_per_second"] for r in rows}
+    present = dict.fromkeys(k[3] for k in tps)
+    compared = [(s, "off") for s in SHORTCUTS if s != "off"]
+    compared += [(s.removesuffix("@base"), s) for s in present if s and s.endswith("@base")]
     out = []
-    for setting in (s for s in SHORTCUTS if s != "off"):
+    for setting, ref in compared:
         for c, fam, ratio in dict.fromkeys(k[:3] for k in tps):
-            pairs = [tps[(c, fam, ratio, setting, n)] / tps[(c, fam, ratio, "off", n)]
+            pairs = [tps[(c, fam, ratio, setting, n)] / tps[(c, fam, ratio, ref, n)]
                      for (c2, f2, r2, s, n) in tps if (c2, f2, r2, s) == (c, fam, ratio, setting)
-                     and tps.get((c, fam, ratio, "off", n))]
+                     and tps.get((c, fam, ratio, ref, n))]
             if pairs:
                 each = ", ".join(f"{x:.2f}" for x in pairs)
-                out.append(f"shortcuts {setting} ÷ off, c={c} {fam} {ratio:.0%} guided: "
+                out.append(f"shortcuts {setting} ÷ {ref}, c={c} {fam} {ratio:.0%} guided: "
                            f"{statistics.median(pairs):.2f} (rounds: {each})")
     return ["", *out] if out else []
 
@@ -735,8 +740,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="worker forced tokens and accept-first, one stack per setting: on, "
                         "off, forced (forced tokens only), accept-first (accept-first only), "
                         "every-round (both on, every forced chain followed at once: "
-                        "--forced-round-cost 0), comma-separated; stacks after the first run "
+                        "--forced-round-cost 0), comma-separated; a setting ending in @base "
+                        "runs the code of --base-tree; stacks after the first run "
                         "--variant-runs")
+    p.add_argument("--base-tree", type=Path, default=None,
+                   help="another checkout of the project (e.g. `git worktree add DIR "
+                        "COMMIT`) whose code the @base settings' stacks run, up beside the "
+                        "others and interleaved with them: code against code in one run")
     p.add_argument("--variant-runs", default="64:-:0,64:short:1,64:long:1,256:long:1",
                    help="c:family:ratio runs of the second --shortcuts setting")
     p.add_argument("--rounds", type=int, default=1,
@@ -762,8 +772,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ns.families = ns.families.split(",")
     ns.profile = set(filter(None, ns.profile.split(",")))
     ns.shortcuts = ns.shortcuts.split(",")
-    if not ns.shortcuts or not set(ns.shortcuts) <= set(SHORTCUTS):
-        raise SystemExit(f"--shortcuts: comma-separated settings of {', '.join(SHORTCUTS)}")
+    if not ns.shortcuts or not all(
+            s.partition("@")[0] in SHORTCUTS and s.partition("@")[2] in ("", "base")
+            for s in ns.shortcuts) or len(set(ns.shortcuts)) < len(ns.shortcuts):
+        raise SystemExit(f"--shortcuts: comma-separated settings of {', '.join(SHORTCUTS)}, "
+                         "each once, optionally with @base")
+    if any(s.endswith("@base") for s in ns.shortcuts):
+        if ns.base_tree is None or not (ns.base_tree / "gateway" / "cli.py").is_file():
+            raise SystemExit("--shortcuts ...@base needs --base-tree DIR, a checkout of the "
+                             "project")
+        ns.base_tree = ns.base_tree.resolve()
     ns.variant_runs = [(int(c), f, float(r)) for c, f, r in
                        (item.split(":") for item in ns.variant_runs.split(",") if item)]
     try:  # the schema families themselves, for training, HF and --check-schemas
@@ -874,14 +892,21 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
     try:
         for shortcuts in ns.shortcuts:
             # The worker's --forced-tokens / --accept-first, through their GRAMSERVE_ variables.
-            forced, accept_first, round_cost = SHORTCUTS[shortcuts]
+            setting, _, tree = shortcuts.partition("@")
+            forced, accept_first, round_cost = SHORTCUTS[setting]
             variant_env = dict(env, GRAMSERVE_FORCED_TOKENS=str(int(forced)),
                                GRAMSERVE_ACCEPT_FIRST=str(int(accept_first)))
             if round_cost is not None:
                 variant_env["GRAMSERVE_FORCED_ROUND_COST"] = str(round_cost)
+            cwd = ROOT
+            if tree:  # `python -m` puts its directory first on the path, then PYTHONPATH's
+                cwd = ns.base_tree
+                variant_env["PYTHONPATH"] = os.pathsep.join(
+                    filter(None, [str(cwd), os.environ.get("PYTHONPATH")]))
             plans[shortcuts] = (matrix_plan(ns) if shortcuts == ns.shortcuts[0]
                                 else ns.variant_runs)
-            stack = stacks[shortcuts] = Stack(args, variant_env, out / f"stack-{shortcuts}.log")
+            log = out / f"stack-{shortcuts.replace('@', '-')}.log"
+            stack = stacks[shortcuts] = Stack(args, variant_env, log, cwd)
             say(f"starting the stack (forced tokens and accept-first {shortcuts})")
             addr = stack.start(ns.startup_timeout + 30)
             say_line(f"stack up at {addr} (shortcuts {shortcuts}); metrics {stack.metrics}")
