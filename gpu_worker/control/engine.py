@@ -225,9 +225,7 @@ class Seq:
 class _InFlight:
     """A step whose tokens were sampled on the device and are on their way to the host."""
 
-    # One per sampled row: the step's sequences in order (None for a ghost: a sequence that
-    # does not sample now, its token ignored), then the rows sampled again
-    rows: list[Run | None]
+    rows: list[Run]
     tokens: torch.Tensor           # (R,) int64 on the device, dead rows as 0: the next inputs
     # (R,) int64 on the host (pinned): the token (dead rows -1, -2), plus _SINGLE where the
     # row's mask allowed that token alone
@@ -622,7 +620,7 @@ class Engine:
         """Mask and sample the step's sampling rows on the device; start the copy of their
         tokens to the host. First the rows' fill-thread jobs are waited for and their forced
         chains taken: a row with a chain does not sample now. Rows that ended while the
-        forward ran are ghosts (sampled, ignored). Rows whose accept-first token the commit before last refused
+        forward ran are left out. Rows whose accept-first token the commit before last refused
         are sampled too, from their saved logits (`Run.redo`), after the step's own rows; those
         the last commit refused wait for the next sampling point (their fills run meanwhile,
         off the critical path), whatever the timing, so every rank samples them at the same
@@ -640,34 +638,28 @@ class Engine:
             if r.prep is not None and r.prep.chain:
                 self._take_chain(r)
         # A row that took forced tokens samples nothing now: they feed its next forward.
-        # Every sequence keeps its row of the logits: one that does not sample now (a prefill
-        # chunk before the prompt's end, a row that ended or took a chain or was refused
-        # after this forward was planned) is a ghost (None), sampled with neutral parameters
-        # and ignored, which costs the device a row and spares the host an index upload and
-        # a gather at nearly every guided step (rows end by their grammar, unforeseen).
-        rows: list[Run | None] = [
-            s.run if s.samples and self.runs.get(s.run.slot) is s.run
-            and s.run.fed == s.run.known and s.run.redo is None else None for s in seqs]
+        keep = [i for i, s in enumerate(seqs) if s.samples and self.runs.get(s.run.slot) is s.run
+                and s.run.fed == s.run.known and s.run.redo is None]
         redo = [r for r in redo if r.redo is not None and self.runs.get(r.slot) is r
                 and r.fed == r.known]
-        own = [r for r in rows if r is not None]
-        if not own and not redo:
+        rows = [seqs[i].run for i in keep] + redo
+        if not rows:
             return None
-        if not own:
-            rows = []
-        sampling = own + redo
         self._index.start()
+        parts = []
+        if keep:
+            if len(keep) < logits.shape[0]:
+                logits = logits.index_select(0, self._index(keep))
+            parts.append(logits)
         if redo:  # all refused at one commit: one saved tensor
             saved = redo[0].redo[0]
-            again = saved.index_select(0, self._index([r.redo[1] for r in redo]))
-            logits = torch.cat([logits, again]) if rows else again
-            rows += redo
-        logits = logits.contiguous()                                    # (R, V)
+            parts.append(saved.index_select(0, self._index([r.redo[1] for r in redo])))
+        logits = (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()   # (R, V)
         if self.vocab_size < logits.shape[1]:
             logits[:, self.vocab_size:] = float("-inf")  # padded ids are no tokens
         masked, af = [], []
         for j, r in enumerate(rows):
-            if r is None or r.req.matcher is None:
+            if r.req.matcher is None:
                 continue
             if self._accept_first(r):
                 af.append(j)
@@ -678,7 +670,7 @@ class Engine:
         if stale:  # not filled for its current state (its mode changed since its commit)
             self._submit(stale, forced=False)
             t["mask_fill"] += self._wait_jobs([r.job for r in stale])
-        for r in sampling:
+        for r in rows:
             r.job = r.prep = None
             r.af_next = None
         t_mask = time.perf_counter()
@@ -697,14 +689,14 @@ class Engine:
         n = len(rows) - len(redo)
         flags = None
         picked = []
-        if own and redo and _flags(own) == redo[0].redo[2]:
+        if n and redo and _flags(rows[:n]) == redo[0].redo[2]:
             # The step's rows take the path the refused rows took at their first try: one
             # call (redo rows are temperature-only, so the flags of all rows are these too).
             batch = self._sampling_batch(rows)
             flags = batch.flags
             picked.append(sample(logits, batch))
         else:
-            if own:
+            if n:
                 batch = self._sampling_batch(rows[:n])
                 flags = batch.flags
                 picked.append(sample(logits[:n], batch))
@@ -730,12 +722,12 @@ class Engine:
         done = torch.cuda.Event() if wire.is_cuda else None
         if done is not None:
             done.record()
-        for r in sampling:
+        for r in rows:
             r.pending = 1
         t["sample"] = time.perf_counter() - t_sample
         return _InFlight(rows, picked.clamp(min=0), host, done, self.step_index,
-                         {r.slot: j for j, r in enumerate(rows) if r is not None}, lp,
-                         frozenset(af), saved, flags)
+                         {r.slot: j for j, r in enumerate(rows)}, lp, frozenset(af), saved,
+                         flags)
 
     def _wait_jobs(self, jobs) -> float:
         """Wait for fill-thread jobs (None entries skipped); their fill seconds, summed. The
@@ -752,18 +744,18 @@ class Engine:
                     self.metrics.forced_chain_rounds.inc(rounds)
         return seconds
 
-    def _unmasked(self, logits: torch.Tensor, rows: list[Run | None]) -> torch.Tensor | None:
+    def _unmasked(self, logits: torch.Tensor, rows: list[Run]) -> torch.Tensor | None:
         """A copy of the rows asking for unconstrained logprobs, in row order, taken before
         the grammar's mask (and the min_tokens suppression) is applied: (U, V), padded ids
         -inf. None when no row asks, and on a follower rank (it sends no logprobs)."""
         if self.publish is None:
             return None
-        unc = [j for j, r in enumerate(rows) if r is not None and r.req.unconstrained_logprobs]
+        unc = [j for j, r in enumerate(rows) if r.req.unconstrained_logprobs]
         if not unc:
             return None
         return logits.index_select(0, self._index(unc))                # (U, V), a copy
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[Run | None],
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[Run],
                   raw: torch.Tensor | None = None):
         """Log-probabilities of the rows that asked, the sampled token's and the top-k, at
         temperature 1, copied to the host with the tokens: of `logits` as masked, or, for
@@ -771,7 +763,7 @@ class Engine:
         (`_unmasked`). The token was sampled from `logits` either way."""
         if self.publish is None:  # a follower rank sends no tokens, so no logprobs either
             return None
-        asked = [j for j, r in enumerate(rows) if r is not None and r.req.logprobs]
+        asked = [j for j, r in enumerate(rows) if r.req.logprobs]
         if not asked:
             return None
         k = max(rows[j].req.top_logprobs for j in asked)
@@ -807,24 +799,21 @@ class Engine:
         if self.scan is not None:  # only then does `_sample` add the forced-token flag
             single = [v >= _SINGLE for v in picked]
             picked = [v - _SINGLE if one else v for v, one in zip(picked, single, strict=True)]
-        rows = inflight.rows  # a ghost (None) sampled a row no one reads
+        rows = inflight.rows
         for r in rows:
-            if r is not None:
-                r.pending = 0
+            r.pending = 0
         diverged: set[int] = set()
         every = self.cfg.divergence_check_every
         if every and self.control.size > 1 and inflight.step % every == 0:
             # A dead row is sent as -1, so a dead row on one rank never matches a real
-            # token 0 on another; a ghost is sent as -1 on every rank.
-            diverged = set(diverged_rows([_DEAD if r is None else v
-                                          for v, r in zip(picked, rows, strict=True)],
-                                         self.control))
+            # token 0 on another.
+            diverged = set(diverged_rows(picked, self.control))
             if diverged and self.metrics is not None:
                 self.metrics.tp_divergence.inc()
         lp = _logprob_rows(inflight)
         forced = 0
         for j, r in enumerate(rows):
-            if r is None or self.runs.get(r.slot) is not r:  # released while in flight
+            if self.runs.get(r.slot) is not r:  # released while its token was in flight
                 continue
             if not self._advance(r, picked[j], j in diverged, lp.get(j),
                                  j in inflight.accept_first):
@@ -839,8 +828,8 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.forced_tokens.inc(forced)
         t["commit"] = time.perf_counter() - t0
-        return [r for r in rows if r is not None and r.req.matcher is not None
-                and self.runs.get(r.slot) is r and not self._accept_first(r)]
+        return [r for r in rows if r.req.matcher is not None and self.runs.get(r.slot) is r
+                and not self._accept_first(r)]
 
     def _refused(self, r: Run, inflight: _InFlight, j: int) -> None:
         """Row j's accept-first token was refused by its grammar: back off, and sample it
@@ -1024,30 +1013,18 @@ class Engine:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _sampling_batch(self, rows: list[Run | None]) -> SamplingBatch:
-        """The sampling parameters of `rows`. A ghost row (None: its token is ignored) gets
-        parameters that change none of the batch's flags, so the other rows take the sampler
-        path they take without it: greedy where every row is, else temperature 1 alone."""
-        reqs = [r.req for r in rows if r is not None]
-        if len(reqs) == len(rows):
-            return SamplingBatch.from_lists(
-                [q.temperature for q in reqs], [q.top_k for q in reqs], [q.top_p for q in reqs],
-                [q.min_p for q in reqs], [q.seed for q in reqs], [r.known for r in rows],
-                device=self.device)
-        ghost = 0.0 if all(q.temperature == 0 for q in reqs) else 1.0
+    def _sampling_batch(self, rows: list[Run]) -> SamplingBatch:
+        reqs = [r.req for r in rows]
         return SamplingBatch.from_lists(
-            [ghost if r is None else r.req.temperature for r in rows],
-            [0 if r is None else r.req.top_k for r in rows],
-            [1.0 if r is None else r.req.top_p for r in rows],
-            [0.0 if r is None else r.req.min_p for r in rows],
-            [0 if r is None else r.req.seed for r in rows],
-            [0 if r is None else r.known for r in rows], device=self.device)
+            [q.temperature for q in reqs], [q.top_k for q in reqs], [q.top_p for q in reqs],
+            [q.min_p for q in reqs], [q.seed for q in reqs], [r.known for r in rows],
+            device=self.device)
 
-    def _suppress_early_stop(self, logits: torch.Tensor, rows: list[Run | None]) -> None:
+    def _suppress_early_stop(self, logits: torch.Tensor, rows: list[Run]) -> None:
         """EOS and stop ids are not sampled before min_tokens, unless the grammar allows
         nothing else (then suppressing them would make a dead end of a complete output)."""
         for j, r in enumerate(rows):
-            if r is None or r.known >= r.req.min_tokens:
+            if r.known >= r.req.min_tokens:
                 continue
             ids = sorted(i for i in (self.eos | r.req.stop_token_ids) if i < logits.shape[1])
             if not ids:
