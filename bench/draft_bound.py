@@ -1,7 +1,7 @@
 """How few steps per output token exact grammar shortcuts could reach: an upper bound.
 
     PYTHONPATH=$PWD python bench/draft_bound.py --tokenizer .bench/tok150k.json \
-        [--families long,short] [--instances 200]
+        [--families long,short] [--instances 200] [--strict] [--fixed-order]
 
 For valid instances of a family's schemas (as bench/train_json.py writes them: the answers of
 a model that follows the schema), tokenized whole as the model emits them, the instance is
@@ -15,6 +15,11 @@ draftable tokens before it, are a prefix of the forced bytes. Printed per family
   token at once and samples one more, the model accepting every draft (no real model does
   better), i.e. steps = positions reached by jumping `1 + draftable` tokens at a time.
 The stop token counts as an output token.
+
+By default the schemas compile as a client sends them with default options (JSON Schema
+semantics: any property order, unlisted properties allowed, so no key is forced); `--strict`
+and `--fixed-order` compile them as OpenAI's strict structured outputs generate (unlisted
+properties forbidden, listed ones in the schema's order), where keys are forced bytes too.
 """
 
 from __future__ import annotations
@@ -69,17 +74,22 @@ def main(argv=None) -> int:
     parser.add_argument("--families", default="long,short")
     parser.add_argument("--instances", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--strict", action="store_true", help="GrammarOptions.strict")
+    parser.add_argument("--fixed-order", action="store_true",
+                        help="GrammarOptions.fixed_property_order")
     ns = parser.parse_args(argv)
+    options = {k: True for k, on in (("strict", ns.strict),
+                                     ("fixed_property_order", ns.fixed_order)) if on}
     from bench.grammars import model_dir
     from grammar_service.vocab import load_vocab
 
     judge = Judge(load_vocab(model_dir(ns.tokenizer)))
     print(f"vocabulary {judge.vocab.model_vocab_size} tokens, {ns.instances} instances per row; "
-          "steps per output token (the stop token counted)")
+          f"options {options or 'default'}; steps per output token (the stop token counted)")
     print(f"{'family':8} {'layout':8} {'tokens':>7} {'with a draft':>13} {'draft bound':>12}")
     for family in ns.families.split(","):
         schemas = [json.loads(s) for s in load_schemas(family)]
-        builds = [judge.build(s, "gramserve") for s in schemas]
+        builds = [judge.build(s, "gramserve", **options) for s in schemas]
         if any(not b.ok or b.backend != "llguidance" for b in builds):
             raise SystemExit(f"{family}: a schema does not compile on llguidance")
         for layout, separators in LAYOUTS.items():
