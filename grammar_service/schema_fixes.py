@@ -34,6 +34,18 @@ such a `not` is exactly "an object where these names are never there": the node'
 gets `{"type": "object", "properties": {"a": false, ...}}` in its place, which llguidance
 enforces (and the any-order rewrite reads as object keywords).
 
+llguidance, a union on one name written with `if` (`fix_schema_llguidance`): llguidance
+does not implement `if` / `then` / `else`. Where the node is an object that requires a name
+and `if` says only that the name's value is among some scalars (`{"properties": {"p":
+{"const": c}}}` or an `enum`, maybe with `"required": ["p"]` and `"type": "object"`), the
+conditional is exactly a choice of two: the value among them and `then`, or another value
+and `else`. "Another value" is the rest of the node's own `const` or `enum` for the name, or
+nothing more where `else` itself pins the name to other values; a side that `then` or `else` already implies (a `$ref` to an object requiring the name with
+its own const or enum, as discriminated unions write it) is that schema alone. The three
+keywords become the node's `anyOf` (where it has none, and this is its one conditional: an
+`allOf` of unions llguidance refuses or multiplies out), which llguidance enforces and the
+any-order rewrite writes side by side. Any other `if` stays and is reported unenforced.
+
 options.strict, unlisted properties (`forbid_unlisted_properties`): strict must mean on
 llguidance what xgrammar's strict_mode means, so an object schema that lists `properties`
 and says nothing about other properties gets `additionalProperties: false`.
@@ -79,7 +91,8 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _LLG_FIX_TEXT = re.compile(
     rf'"(?:{"|".join(_COUNTS)})"\s*:\s*-?[0-9]+[.eE]'
     rf'|"format"\s*:\s*"(?:{"|".join(FORMAT_PATTERNS)})"'
-    r'|"not"\s*:\s*\{\s*"(?:required|anyOf)"')
+    r'|"not"\s*:\s*\{\s*"(?:required|anyOf)"'
+    r'|"if"\s*:\s*\{')
 
 
 def fix_schema(schema: Any) -> Any:
@@ -90,8 +103,10 @@ def fix_schema(schema: Any) -> Any:
 
 def fix_schema_llguidance(schema: Any) -> Any:
     """A copy of `schema` with the llguidance rewrites (integral bounds, exact date and time
-    formats, names never there) applied at every depth (no state changed)."""
-    return _map(schema, lambda node: _absent_node(_format_node(_integral_node(node))))
+    formats, names never there, unions written with `if`) applied at every depth (no state
+    changed)."""
+    return _map(schema, lambda node: _conditional_node(
+        _absent_node(_format_node(_integral_node(node))), schema))
 
 
 def llguidance_fix_applies(text: str) -> bool:
@@ -150,6 +165,149 @@ def _absent_names(node) -> list[str] | None:
             return None
         names.append(required[0])
     return names
+
+
+def _conditional_node(node: dict, root: Any) -> dict:
+    """`if` / `then` / `else` on a name the object node requires, in the node or in a branch
+    of its `allOf` that holds nothing else, as the node's `anyOf` of its two sides (see
+    above), where it is the node's one conditional and the node has no `anyOf`; else the node
+    as it is. `root` resolves local references."""
+    if node.get("type") != "object" or not isinstance(node.get("required"), list):
+        return node
+    unions, out = [], dict(node)
+    if "if" in node and (sides := _sides(node, node, root)) is not None:
+        unions.append(sides)
+        for key in ("if", "then", "else"):
+            out.pop(key, None)
+    if isinstance(node.get("allOf"), list):
+        kept = []
+        for branch in node["allOf"]:
+            bare = isinstance(branch, dict) and "if" in branch \
+                and branch.keys() - _NOTES <= {"if", "then", "else"}
+            sides = _sides(branch, node, root) if bare else None
+            (kept if sides is None else unions).append(branch if sides is None else sides)
+        out["allOf"] = kept
+        if not kept:
+            del out["allOf"]
+    if len(unions) != 1 or "anyOf" in out:
+        # Several (an allOf of unions, which llguidance refuses or multiplies out): left to
+        # llguidance, which ignores them and says so.
+        return node
+    out["anyOf"] = unions[0]  # the node's own union: the any-order rewrite writes each side
+    return out                # with the node's keywords
+
+
+def _sides(holder: dict, node: dict, root: Any) -> list | None:
+    """The two sides of `holder`'s `if` / `then` / `else` on a name the object `node`
+    requires, or None (see above)."""
+    shape = _discriminator(holder.get("if")) if {"then", "else"} & holder.keys() else None
+    if shape is None or shape[0] not in node["required"]:
+        return None
+    name, values = shape
+    then, other = holder.get("then", True), holder.get("else", True)
+    sides = []
+    for schema, among, keep in ((then, values, lambda pinned: pinned <= values.keys()),
+                                (other, _others(node, name, values),
+                                 lambda pinned: not pinned & values.keys())):
+        pinned = _pinned(schema, root, name)
+        if pinned is not None and keep(pinned):
+            sides.append(schema)
+        elif among is None:
+            return None  # "another value" would be a complement: left to llguidance
+        elif among:
+            case = {"properties": {name: {"enum": list(among.values())}}}
+            sides.append(case if schema is True else {"allOf": [case, schema]})
+    return sides
+
+
+def _discriminator(cond) -> tuple[str, dict] | None:
+    """(name, {value key: value}) of an `if` that says only that one name's value is among
+    some scalars (requiring the name and saying `type: object` or not); else None."""
+    if not isinstance(cond, dict) or not cond.keys() - _NOTES <= {"properties", "required",
+                                                                  "type"}:
+        return None
+    props = cond.get("properties")
+    if not isinstance(props, dict) or len(props) != 1 or cond.get("type", "object") != "object":
+        return None
+    (name, sub), = props.items()
+    values = _scalars(sub)
+    if values is None or cond.get("required", [name]) != [name]:
+        return None
+    return name, values
+
+
+def _scalars(schema) -> dict | None:
+    """{value key: value} of a schema that is a `const` or `enum` of scalars (with notes or a
+    `type` beside it, which must hold for every value), else None."""
+    if not isinstance(schema, dict):
+        return None
+    keys = schema.keys() - _NOTES - {"type"}
+    if keys == {"const"}:
+        items = [schema["const"]]
+    elif keys == {"enum"} and isinstance(schema["enum"], list) and schema["enum"]:
+        items = schema["enum"]
+    else:
+        return None
+    out = {}
+    for value in items:
+        key = _value_key(value)
+        if key is None or ("type" in schema and not _has_type(value, schema["type"])):
+            return None
+        out[key] = value
+    return out
+
+
+def _value_key(value) -> tuple | None:
+    """A key equal for JSON-equal scalars (1 and 1.0; never true and 1); None otherwise."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return (type(value).__name__, value)
+    if isinstance(value, (int, float)):
+        return ("number", float(value))
+    return None
+
+
+def _has_type(value, types) -> bool:
+    names = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    kind = {bool: "boolean", str: "string", type(None): "null"}.get(type(value), "number")
+    return kind in names or (kind == "number" and "integer" in names
+                             and float(value).is_integer())
+
+
+def _others(node: dict, name: str, values: dict) -> dict | None:
+    """{value key: value} the name may take beside `values`, from the node's own const or
+    enum for it; None where the node does not list its values."""
+    own = node.get("properties", {}).get(name) if isinstance(node.get("properties"),
+                                                              dict) else None
+    listed = _scalars(own)
+    if listed is not None:
+        return {k: v for k, v in listed.items() if k not in values}
+    return None
+
+
+def _pinned(schema, root, name: str) -> set | None:
+    """The value keys an object schema (through local `$ref`s) allows for `name`, which it
+    requires, where it says so with a const or enum (and `type: object`); else None."""
+    for _ in range(8):
+        if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
+            break
+        schema = _local(root, schema["$ref"])
+    if not isinstance(schema, dict) or schema.get("type") != "object" \
+            or name not in (schema.get("required") or ()) \
+            or not isinstance(schema.get("properties"), dict):
+        return None
+    values = _scalars(schema["properties"].get(name))
+    return None if values is None else set(values)
+
+
+def _local(root, ref: str):
+    """The subschema of `root` a `#/...` JSON pointer names, else None."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in filter(None, ref[1:].split("/")):
+        node = node.get(part.replace("~1", "/").replace("~0", "~")) \
+            if isinstance(node, dict) else None
+    return node
 
 
 def forbid_unlisted_properties(schema: Any) -> Any:

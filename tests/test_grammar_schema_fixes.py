@@ -151,6 +151,106 @@ def test_a_not_that_says_names_are_absent_becomes_those_names_forbidden_on_an_ob
             assert accepted == validator.is_valid(doc), (schema, doc)
 
 
+# Unions on one name written with `if`: the node is an object requiring the name.
+CHART_LIKE = {  # the name's own enum gives "another value" (chart.json's apiVersion)
+    "type": "object", "required": ["kind"],
+    "properties": {"kind": {"enum": ["a", "b", "c"]}, "x": {"type": "integer"},
+                   "y": {"type": "string"}},
+    "if": {"properties": {"kind": {"const": "a"}}},
+    "then": {"required": ["x"]}, "else": {"properties": {"x": False}}}
+UNION_OF_REFS = {  # each side pins the name itself (specmatic.json's version)
+    "type": "object", "required": ["v"], "properties": {"v": {"type": "integer"}},
+    "allOf": [{"if": {"properties": {"v": {"const": 3}}},
+               "then": {"$ref": "#/$defs/V3"}, "else": {"$ref": "#/$defs/V2"}}],
+    "$defs": {"V3": {"type": "object", "required": ["v"], "additionalProperties": False,
+                     "properties": {"v": {"enum": [3]}, "p": {"type": "string"}}},
+              "V2": {"type": "object", "required": ["v", "q"], "additionalProperties": False,
+                     "properties": {"v": {"type": "integer", "enum": [2]},
+                                    "q": {"type": "boolean"}}}}}
+# `then` pins the name to more values than the `if`: it is not that side alone
+PINNED_WIDER = {**UNION_OF_REFS, "allOf": [{
+    "if": {"properties": {"v": {"const": 3}}}, "then": {"$ref": "#/$defs/V23"},
+    "else": {"$ref": "#/$defs/V2"}}], "$defs": {**UNION_OF_REFS["$defs"], "V23": {
+        "type": "object", "required": ["v"], "additionalProperties": False,
+        "properties": {"v": {"enum": [2, 3]}, "p": {"type": "string"}}}}}
+THEN_ONLY = {  # an enum of numbers in the if, no else
+    "type": "object", "required": ["t"],
+    "properties": {"t": {"enum": [1, 2, 3.0]}, "n": {"type": "integer"}},
+    "if": {"type": "object", "required": ["t"], "properties": {"t": {"enum": [1.0, 2]}}},
+    "then": {"properties": {"n": {"maximum": 5}}}}
+
+
+def test_a_union_written_with_if_becomes_the_anyof_of_its_two_sides():
+    assert fix_schema_llguidance(CHART_LIKE) == {
+        **{k: v for k, v in CHART_LIKE.items() if k not in ("if", "then", "else")},
+        "anyOf": [{"allOf": [{"properties": {"kind": {"enum": ["a"]}}}, {"required": ["x"]}]},
+                  {"allOf": [{"properties": {"kind": {"enum": ["b", "c"]}}},
+                             {"properties": {"x": False}}]}]}
+    assert fix_schema_llguidance(PINNED_WIDER)["anyOf"] == [
+        {"allOf": [{"properties": {"v": {"enum": [3]}}}, {"$ref": "#/$defs/V23"}]},
+        {"$ref": "#/$defs/V2"}]
+    fixed = fix_schema_llguidance(UNION_OF_REFS)
+    assert "allOf" not in fixed and fixed["anyOf"] == [{"$ref": "#/$defs/V3"},
+                                                     {"$ref": "#/$defs/V2"}]
+    assert fix_schema_llguidance(THEN_ONLY)["anyOf"] == [
+        {"allOf": [{"properties": {"t": {"enum": [1.0, 2]}}}, THEN_ONLY["then"]]},
+        {"properties": {"t": {"enum": [3.0]}}}]  # no else: the value's case alone; 3.0 is 3
+    kept = [
+        {**CHART_LIKE, "type": ["object", "null"]},   # not only objects
+        {**CHART_LIKE, "required": []},                # the name may be absent
+        {**CHART_LIKE, "properties": {"kind": {"type": "string"}}},  # a string complement
+        {**CHART_LIKE, "anyOf": [{"required": ["y"]}, {"required": ["x"]}]},  # its own union
+        {**CHART_LIKE, "allOf": [{"if": {"properties": {"kind": {"const": "b"}}},
+                                  "then": {"required": ["y"]}}]},  # two conditionals
+        {**CHART_LIKE, "if": {"properties": {"kind": {"const": "a"}}, "minProperties": 2}},
+        {**CHART_LIKE, "if": {"properties": {"kind": {"const": "a"}, "x": {"const": 1}}}},
+        {**CHART_LIKE, "if": {"properties": {"kind": {"enum": [["a"]]}}}},  # not a scalar
+        {**CHART_LIKE, "if": {"properties": {"kind": {"const": "a"}}, "required": ["x"]}},
+    ]
+    for schema in kept:
+        assert fix_schema_llguidance(schema) == schema
+
+
+@pytest.mark.parametrize("schema", [CHART_LIKE, UNION_OF_REFS, PINNED_WIDER, THEN_ONLY])
+def test_a_union_written_with_if_is_enforced_exactly_in_any_property_order(schema):
+    """llguidance ignores if / then / else: after the fix nothing is reported unenforced, and
+    documents (every key order) are accepted exactly where jsonschema says they are valid."""
+    import itertools
+    import random
+
+    vocab = load_vocab(ensure_default_model())
+    backends = VocabView.of(vocab).backends()
+    tok = tokenizers.Tokenizer.from_str(vocab.tokenizer_json())
+    compiled = compile_spec(parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema))),
+                            backends)
+    assert compiled.backend == "llguidance" and not compiled.unenforced, compiled.reason
+    assert "any order" in compiled.reason
+    backend = backends[compiled.backend]
+    grammar = backend.deserialize(compiled.payload)
+    validator = jsonschema.Draft202012Validator(schema)
+    name = schema["required"][0]
+    values = ["a", "b", "c", "d", 1, 2, 3, 3.5, True, None]
+    others = {"x": [1, "s"], "y": ["z"], "p": ["s", 1], "q": [True], "n": [4, 9], "w": [0]}
+    rng = random.Random(7)
+    seen = {True: 0, False: 0}
+    for value in values:
+        for picks in itertools.product(*([None, *vs] for vs in others.values())):
+            doc = {name: value} | {k: v for k, v in zip(others, picks, strict=True)
+                                   if v is not None}
+            if len(doc) > 3:
+                continue
+            items = list(doc.items())
+            rng.shuffle(items)
+            m = backend.new_matcher(grammar)
+            accepted = all(m.accept_token(t) for t in tok.encode(
+                json.dumps(dict(items)), add_special_tokens=False).ids) and m.accept_token(
+                m.stop_token_ids[0])
+            valid = validator.is_valid(doc)
+            seen[valid] += 1
+            assert accepted == valid, (doc, valid)
+    assert min(seen.values()) >= 3, seen  # both verdicts seen (every valid one of UNION_OF_REFS)
+
+
 def test_the_text_check_skips_the_llguidance_fix_only_where_it_changes_nothing():
     # Every schema of the JSON Schema Test Suite and those above: where the text check says
     # no, the fix gives the schema back unchanged; the fixes above are all found.
@@ -160,7 +260,7 @@ def test_the_text_check_skips_the_llguidance_fix_only_where_it_changes_nothing()
     changed = [{"type": "array", "maxItems": 2.0}, {"items": {"minLength": 1e0}},
                {"type": "string", "format": "date"}, {"anyOf": [{"format": "date-time"}]},
                {"properties": {"t": {"type": "string", "format": "time", "pattern": "^1"}}},
-               {"items": {"not": {"required": ["a"]}}}]
+               {"items": {"not": {"required": ["a"]}}}, CHART_LIKE, UNION_OF_REFS]
     for schema in changed:
         assert llguidance_fix_applies(canonical_json(schema))
         assert canonical_json(fix_schema_llguidance(schema)) != canonical_json(schema)
