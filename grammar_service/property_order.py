@@ -280,7 +280,7 @@ class _Rewriter:
         if not isinstance(values, list) or not all(_scalar(v) for v in values):
             return None
         if types is not None:
-            values = [v for v in values if any(_of_type(v, t) for t in types)]
+            values = [v for v in values if any(of_type(v, t) for t in types)]
         texts = dict.fromkeys(_quote(v) if type(v) is str else json.dumps(v, ensure_ascii=False)
                               for v in values)
         if not texts:
@@ -756,17 +756,9 @@ class _Rewriter:
         known = self._resolved.get(ref) if isinstance(ref, str) else None
         if known is not None:
             return known
-        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        node = pointer_target(self.root, ref)
+        if node is None:
             raise _Unsupported(f"$ref {ref!r}")
-        node = self.root
-        for part in ref[2:].split("/") if ref != "#" else ():
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                raise _Unsupported(f"$ref {ref!r}")
         self._resolved[ref] = node, ref
         return node, ref
 
@@ -851,6 +843,23 @@ def _type_set(node) -> frozenset | None:
         return None
     out = frozenset(kinds)
     return out | {"integer"} if "number" in out else out
+
+
+def pointer_target(root, ref) -> object | None:
+    """The node of `root` a local JSON-pointer `$ref` ("#", "#/a/0/b~1c") names; None for
+    another kind of reference or a pointer to nothing."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _values(node) -> list | None:
@@ -1035,7 +1044,7 @@ def _scalar(value) -> bool:
     return value is None or isinstance(value, (str, bool, int, float))
 
 
-def _of_type(value, kind: str) -> bool:
+def of_type(value, kind: str) -> bool:
     """Whether a scalar JSON value is of JSON Schema type `kind`."""
     own = _kind(value)
     return own == kind or (kind == "number" and own == "integer")

@@ -56,6 +56,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from grammar_service.property_order import of_type, pointer_target
+
 # Keys whose values are data, not subschemas.
 DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})
 # Keys whose values map names (not keywords) to subschemas.
@@ -172,29 +174,26 @@ def _conditional_node(node: dict, root: Any) -> dict:
     of its `allOf` that holds nothing else, as the node's `anyOf` of its two sides (see
     above), where it is the node's one conditional and the node has no `anyOf`; else the node
     as it is. `root` resolves local references."""
-    if node.get("type") != "object" or not isinstance(node.get("required"), list):
+    if node.get("type") != "object" or not isinstance(node.get("required"), list) \
+            or "anyOf" in node:
         return node
-    unions, out = [], dict(node)
-    if "if" in node and (sides := _sides(node, node, root)) is not None:
-        unions.append(sides)
-        for key in ("if", "then", "else"):
-            out.pop(key, None)
-    if isinstance(node.get("allOf"), list):
-        kept = []
-        for branch in node["allOf"]:
-            bare = isinstance(branch, dict) and "if" in branch \
-                and branch.keys() - _NOTES <= {"if", "then", "else"}
-            sides = _sides(branch, node, root) if bare else None
-            (kept if sides is None else unions).append(branch if sides is None else sides)
+    all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+    bare = [b for b in all_of if isinstance(b, dict) and "if" in b
+            and b.keys() - _NOTES <= {"if", "then", "else"}]
+    holders = ([node] if "if" in node else []) + bare
+    if len(holders) != 1:
+        # None, or several (an allOf of unions, which llguidance refuses or multiplies out):
+        # left to llguidance, which ignores them and says so.
+        return node
+    sides = _sides(holders[0], node, root)
+    if sides is None:
+        return node
+    out = {k: v for k, v in node.items() if k not in ("if", "then", "else", "allOf")}
+    kept = [b for b in all_of if b is not holders[0]]
+    if kept:
         out["allOf"] = kept
-        if not kept:
-            del out["allOf"]
-    if len(unions) != 1 or "anyOf" in out:
-        # Several (an allOf of unions, which llguidance refuses or multiplies out): left to
-        # llguidance, which ignores them and says so.
-        return node
-    out["anyOf"] = unions[0]  # the node's own union: the any-order rewrite writes each side
-    return out                # with the node's keywords
+    out["anyOf"] = sides  # the node's own union: the any-order rewrite writes each side
+    return out            # with the node's keywords
 
 
 def _sides(holder: dict, node: dict, root: Any) -> list | None:
@@ -248,10 +247,14 @@ def _scalars(schema) -> dict | None:
         items = schema["enum"]
     else:
         return None
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list):
+        return None
     out = {}
     for value in items:
         key = _value_key(value)
-        if key is None or ("type" in schema and not _has_type(value, schema["type"])):
+        if key is None or (types and not any(of_type(value, t) for t in types)):
             return None
         out[key] = value
     return out
@@ -266,22 +269,13 @@ def _value_key(value) -> tuple | None:
     return None
 
 
-def _has_type(value, types) -> bool:
-    names = [types] if isinstance(types, str) else types if isinstance(types, list) else []
-    kind = {bool: "boolean", str: "string", type(None): "null"}.get(type(value), "number")
-    return kind in names or (kind == "number" and "integer" in names
-                             and float(value).is_integer())
-
-
 def _others(node: dict, name: str, values: dict) -> dict | None:
     """{value key: value} the name may take beside `values`, from the node's own const or
     enum for it; None where the node does not list its values."""
     own = node.get("properties", {}).get(name) if isinstance(node.get("properties"),
                                                               dict) else None
     listed = _scalars(own)
-    if listed is not None:
-        return {k: v for k, v in listed.items() if k not in values}
-    return None
+    return None if listed is None else {k: v for k, v in listed.items() if k not in values}
 
 
 def _pinned(schema, root, name: str) -> set | None:
@@ -290,24 +284,13 @@ def _pinned(schema, root, name: str) -> set | None:
     for _ in range(8):
         if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
             break
-        schema = _local(root, schema["$ref"])
+        schema = pointer_target(root, schema["$ref"])
     if not isinstance(schema, dict) or schema.get("type") != "object" \
             or name not in (schema.get("required") or ()) \
             or not isinstance(schema.get("properties"), dict):
         return None
     values = _scalars(schema["properties"].get(name))
     return None if values is None else set(values)
-
-
-def _local(root, ref: str):
-    """The subschema of `root` a `#/...` JSON pointer names, else None."""
-    if not ref.startswith("#"):
-        return None
-    node = root
-    for part in filter(None, ref[1:].split("/")):
-        node = node.get(part.replace("~1", "/").replace("~0", "~")) \
-            if isinstance(node, dict) else None
-    return node
 
 
 def forbid_unlisted_properties(schema: Any) -> Any:
