@@ -40,8 +40,9 @@ and `if` says only that the name's value is among some scalars (`{"properties": 
 {"const": c}}}` or an `enum`, maybe with `"required": ["p"]` and `"type": "object"`), the
 conditional is exactly a choice of two: the value among them and `then`, or another value
 and `else`. "Another value" is the rest of the node's own `const` or `enum` for the name, or
-nothing more where `else` itself pins the name to other values; a side that `then` or `else` already implies (a `$ref` to an object requiring the name with
-its own const or enum, as discriminated unions write it) is that schema alone. The three
+nothing more where `else` itself pins the name to other values; a side that `then` or
+`else` already implies (a `$ref` to an object requiring the name with its own const or
+enum, as discriminated unions write it) is that schema alone. The three
 keywords become the node's `anyOf` (where it has none, and this is its one conditional: an
 `allOf` of unions llguidance refuses or multiplies out), which llguidance enforces and the
 any-order rewrite writes side by side. Any other `if` stays and is reported unenforced.
