@@ -10,7 +10,7 @@ in the instance text. Variants differ from the baseline in one thing only, so th
 which feature makes the tail: a length-bounded string (rewritten into a bounded repetition
 for xgrammar), its bound, the whitespace policy, a long free string, a string restricted by a
 `pattern` or a `format`. llguidance runs twice: with gramserve's slices
-(grammar_service.backends.IDENT_SLICES before llguidance's general ones) and with llguidance's
+(grammar_service.backends.WORD_SLICES before llguidance's general ones) and with llguidance's
 general slices alone.
 
     PYTHONPATH=$PWD python bench/mask_tail.py --corpus .bench/schemastore-138.json ...

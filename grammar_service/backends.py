@@ -57,6 +57,7 @@ from grammar_service.schema_fixes import (
     fix_schema_llguidance,
     forbid_unlisted_properties,
     llguidance_fix_applies,
+    without_ignored,
 )
 
 XGRAMMAR = "xgrammar"
@@ -284,17 +285,19 @@ class LLGuidanceBackend:
         """
         from llguidance import LLMatcher
 
-        grammar = _llg_grammar(spec, lenient)
+        grammar, ignored = _llg_grammar(spec, lenient)
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed and _is_lark(grammar) and spec.kind == "json_schema":
             # The any-order rewrite failed where the schema as it is may not (an embedded
             # node llguidance refuses on its own, e.g. unsatisfiable where its compile of the
             # whole schema drops it): the schema's own grammar, order fixed.
-            grammar = _llg_grammar(spec, lenient, any_order=False)
+            grammar, ignored = _llg_grammar(spec, lenient, any_order=False)
             failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:
             raise BackendError(messages[0] if messages else "llguidance refuses the grammar",
                                LLGUIDANCE)
+        if ignored:  # left out of the rewrite's schema: said as llguidance says it
+            messages = [*messages, f"Unimplemented keys: {json.dumps(list(ignored))}"]
         return LLGuidanceGrammar(grammar, tuple(messages))
 
     def serialize(self, compiled: LLGuidanceGrammar, spec=None,
@@ -382,9 +385,12 @@ def _is_lark(grammar: str) -> bool:
     return not grammar.startswith("{")
 
 
-def _llg_grammar(spec, lenient: bool = False, any_order: bool = True) -> str:
+def _llg_grammar(spec, lenient: bool = False,
+                 any_order: bool = True) -> tuple[str, tuple[str, ...]]:
+    """(llguidance's grammar text for `spec`, the keywords the grammar ignores that its own
+    compile will not name: those `without_ignored` left out of a lenient any-order rewrite's
+    schema)."""
     from llguidance import LLMatcher
-    from llguidance.gbnf_to_lark import any_to_lark
 
     opts = spec.options
     if spec.kind in ("json_schema", "json_object"):
@@ -413,17 +419,28 @@ def _llg_grammar(spec, lenient: bool = False, any_order: bool = True) -> str:
         if lenient:
             ws["lenient"] = True
         if any_order:
-            lark = any_order_grammar(schema, ws, whitespace_regex(opts.whitespace,
-                                                                  opts.max_whitespace), text)
+            # What a lenient compile ignores does not stop an object's rewrite.
+            readable, ignored = without_ignored(schema, text) if lenient else (schema, ())
+            lark = any_order_grammar(readable, ws, whitespace_regex(opts.whitespace,
+                                                                    opts.max_whitespace),
+                                     None if ignored else text)
             if lark is not None:
                 try:
-                    return LLMatcher.grammar_from_lark(lark)
+                    return LLMatcher.grammar_from_lark(lark), ignored
                 except ValueError:
                     pass  # not expected; the schema as it is still compiles (fixed order)
         try:
-            return LLMatcher.grammar_from_json_schema(text, overrides=ws)
+            return LLMatcher.grammar_from_json_schema(text, overrides=ws), ()
         except ValueError as exc:
             raise BackendError(str(exc), LLGUIDANCE) from None
+    return _llg_other_grammar(spec), ()
+
+
+def _llg_other_grammar(spec) -> str:
+    """llguidance's grammar text for a spec that is not a JSON schema or json_object."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.text)
     if spec.kind == "choice":
@@ -551,23 +568,27 @@ def llguidance_tokenizer(tokenizer_json: str, n_vocab: int, eos_token_ids: Itera
     words on both backends.
 
     Slices (llguidance's mask shortcut: a slice whose tokens the lexer all allows is added
-    whole, its trie not walked): llguidance's general ones for free JSON strings, after two
-    of identifier characters (`IDENT_SLICES`), which also hold whole inside strings with a
-    `pattern` of such characters. They change no mask, only its cost.
+    whole, its trie not walked): llguidance's general ones for free JSON strings, after
+    `WORD_SLICES` (identifiers, and words after a space), which also hold whole inside
+    strings with a `pattern`, a `format` or a length bound that allows such characters. They
+    change no mask, only its cost.
     """
     import llguidance
 
     tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab,
                                  eos_token=[int(t) for t in eos_token_ids])
     general = llguidance.LLTokenizer.general_slices()
-    return tok.with_slices(general[:1] + list(IDENT_SLICES) + general[1:])
+    return tok.with_slices(general[:1] + list(WORD_SLICES) + general[1:])
 
 
 # Measured on 128 SchemaStore schemas at a 151k-token BPE (`bench/mask_tail.py --corpus`:
-# every mask of every instance, the schema's auto backend): mask p99 1.25 -> 1.05 ms, p50 and
-# the masks themselves unchanged; inside a `^[a-zA-Z0-9_]+$` string (~89k of 151k tokens
-# allowed, every one walked with the general slices alone) p99 1.41 -> 0.85 ms.
-IDENT_SLICES = ("[a-z]{1,10}", "[a-zA-Z0-9_]{1,10}")
+# every mask of every instance, the schema's auto backend), the masks themselves unchanged:
+# the first two (identifiers up to 10 characters) took mask p99 1.25 -> 1.05 ms (inside a
+# `^[a-zA-Z0-9_]+$` string, ~89k of 151k tokens allowed, 1.41 -> 0.85 ms); the longer
+# identifiers (18k tokens of 11-30 characters) and the words after a space (35k tokens) took
+# it 0.80 -> 0.47 ms on another machine (masks over 300 us 904 -> 693), compile unchanged.
+WORD_SLICES = ("[a-z]{1,10}", "[a-zA-Z0-9_]{1,10}", "[a-zA-Z0-9_]{1,30}",
+               " [a-zA-Z0-9_]{1,10}")
 
 
 # ---------------------------------------------------------------------------- both

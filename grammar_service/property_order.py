@@ -785,7 +785,7 @@ class _Rewriter:
         if "$defs" in doc or "$schema" in doc:  # keys the text below would not replace
             defs = doc.setdefault("$defs", {})
             for ref in refs:
-                defs["gs" + ref[1:]] = _with_refs(self.resolve(ref)[0])
+                defs["gs" + ref[1:]] = _carried(self.resolve(ref)[0])
             return self._embedded(self._with_tail(doc))
         # The same text as dumping the document with its $defs, each definition dumped once
         # per schema (most embedded nodes of a schema reach the same few definitions).
@@ -806,7 +806,7 @@ class _Rewriter:
         """`"name":definition` of the target of `ref` inside an embedded node's $defs, its
         references rewritten (the same whichever node embeds it)."""
         if ref not in self._defs:
-            self._defs[ref] = f"{_dump('gs' + ref[1:])}:{_dump(_with_refs(self.resolve(ref)[0]))}"
+            self._defs[ref] = f"{_dump('gs' + ref[1:])}:{_dump(_carried(self.resolve(ref)[0]))}"
         return self._defs[ref]
 
     def _embedded(self, text: str) -> str:
@@ -1105,6 +1105,16 @@ def _with_refs(node):
     if isinstance(node, list):
         return [_with_refs(v) for v in node]
     return node
+
+
+def _carried(node):
+    """A target as it travels under an embedded node's $defs: `_with_refs`, without the
+    root's `$id` (a base URI there, against which llguidance would resolve the rewritten
+    references, failing; `$id`s below the root are refused)."""
+    out = _with_refs(node)
+    if isinstance(out, dict):
+        out.pop("$id", None)
+    return out
 
 
 def _local(ref: str) -> bool:

@@ -47,6 +47,16 @@ keywords become the node's `anyOf` (where it has none, and this is its one condi
 `allOf` of unions llguidance refuses or multiplies out), which llguidance enforces and the
 any-order rewrite writes side by side. Any other `if` stays and is reported unenforced.
 
+llguidance, what it ignores anyway (`without_ignored`): compiled leniently, llguidance
+ignores the keywords it does not implement (`LLG_IGNORED`: `not`, `if`/`then`/`else`,
+`uniqueItems`, `contains`, `propertyNames`, `unevaluatedProperties`, ...; and `dependencies`
+whose value is a schema) and names them in a warning ("Unimplemented keys: [...]"), which is
+reported. But the any-order rewrite (grammar_service.property_order) cannot state an object
+holding one, so it embedded the object whole, and llguidance fixed its property order: valid
+documents with their keys in another order were refused for a keyword that was not enforced
+at all. The rewrite now reads the schema without them (what llguidance enforces is the same)
+and the compile says, as llguidance would have, which keywords it left out.
+
 options.strict, unlisted properties (`forbid_unlisted_properties`): strict must mean on
 llguidance what xgrammar's strict_mode means, so an object schema that lists `properties`
 and says nothing about other properties gets `additionalProperties: false`.
@@ -61,9 +71,10 @@ from grammar_service.property_order import of_type, pointer_target
 
 # Keys whose values are data, not subschemas.
 DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})
-# Keys whose values map names (not keywords) to subschemas.
+# Keys whose values map names (not keywords) to subschemas (`dependencies`: to subschemas
+# or name lists).
 MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                       "dependentSchemas"})
+                      "dependentSchemas", "dependencies"})
 # Keywords that say nothing about an instance (beside the one that does, in a `not`).
 _NOTES = frozenset({"title", "description", "$comment", "markdownDescription"})
 _UNESCAPED_CHAR = '[^"\\\\\\x00-\\x1f]'
@@ -117,6 +128,50 @@ def llguidance_fix_applies(text: str) -> bool:
     (json.dumps output): only a count written with a fraction or exponent, or a date or time
     format, can. False spares the walk, which copies every node."""
     return _LLG_FIX_TEXT.search(text) is not None
+
+
+# Keywords llguidance 1.9.1 knows but does not implement (its json/schema.rs IMPLEMENTED list
+# against the drafts' keywords): a lenient compile ignores each, warning "Unimplemented keys".
+# `dependencies` and `dependentRequired` are not here: the any-order rewrite states their
+# name lists (`dependencies` loses only its schema entries, `dependentSchemas`'s form).
+LLG_IGNORED = frozenset({
+    "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
+    "propertyNames", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems"})
+_LLG_IGNORED_TEXT = re.compile(
+    rf'"(?:{"|".join(sorted(LLG_IGNORED))}|dependencies)"\s*:')
+
+
+def without_ignored(schema: Any, text: str) -> tuple[Any, tuple[str, ...]]:
+    """(`schema` without what llguidance's lenient compile ignores, the keywords left out):
+    every `LLG_IGNORED` keyword of every subschema, and `dependencies` (up to draft 7 only its
+    schema entries: its name lists stay, and the rewrite states them). `text`: the schema's JSON, which spares the walk (and the copy)
+    when no such keyword is in it. Compiled leniently the result enforces what `schema` does
+    on llguidance; the caller reports the keywords (as llguidance's warning would)."""
+    if _LLG_IGNORED_TEXT.search(text) is None:
+        return schema, ()
+    dropped: set[str] = set()
+    # `dependencies` is a keyword up to draft 7 (as the rewrite reads it), an unknown one after.
+    draft = schema.get("$schema") if isinstance(schema, dict) else None
+    lists = isinstance(draft, str) and re.search(r"draft-0[3-7]/", draft) is not None
+
+    def drop(node: dict) -> dict:
+        found = node.keys() & LLG_IGNORED
+        for key in found:
+            del node[key]
+        dropped.update(found)
+        deps = node.get("dependencies")
+        if isinstance(deps, dict) and (not lists or any(not isinstance(v, list)
+                                                         for v in deps.values())):
+            dropped.add("dependencies")
+            kept = {k: v for k, v in deps.items() if lists and isinstance(v, list)}
+            if kept:
+                node["dependencies"] = kept
+            else:
+                del node["dependencies"]
+        return node
+
+    out = _map(schema, drop)
+    return out, tuple(sorted(dropped))
 
 
 def _integral_node(node: dict) -> dict:

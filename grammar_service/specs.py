@@ -248,7 +248,6 @@ _META_FORMATS = {"pattern": "regex", "$ref": "uri-reference", "$id": "uri-refere
                  "$dynamicRef": "uri-reference", "$recursiveRef": "uri-reference",
                  "$schema": "uri"}
 _META_NAME_FORMATS = {"patternProperties": "regex", "$vocabulary": "uri"}
-_MAPS = MAP_KEYS | {"dependencies"}
 
 
 def _meta_valid_fast(schema: dict, cls) -> bool:
@@ -282,7 +281,7 @@ def _meta_valid_fast(schema: dict, cls) -> bool:
             if fmt is not None and isinstance(value, dict) and not all(
                     checker.conforms(name, fmt) for name in value):
                 return False
-            if keyword in _MAPS and isinstance(value, dict):
+            if keyword in MAP_KEYS and isinstance(value, dict):
                 stack.extend(value.values())  # names are not keywords: "enum" may be one
             elif isinstance(value, dict | list):
                 stack.append(value)

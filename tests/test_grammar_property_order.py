@@ -960,3 +960,86 @@ def test_compile_grammar_says_which_order_the_grammar_takes(backends):
     assert reason({"type": "object", "properties": {"a": {}, "b": {}},
                    "patternProperties": {"^x": {}}}).endswith(
         "(no object the rewrite can reorder)")
+
+
+# ------------------------------------------------- what llguidance ignores, order free
+
+IGNORED = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["a", "b"]},
+        "size": {"type": "integer"},
+        "unit": {"type": "string"},
+        "tags": {"type": "array", "uniqueItems": True, "contains": {"type": "object"},
+                 "items": {"type": "object", "additionalProperties": False,
+                           "properties": {"k": {"type": "string"}, "v": {"type": "integer"}},
+                           "required": ["k", "v"]}},
+        "meta": {"type": "object", "propertyNames": {"maxLength": 3},
+                 "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                 "not": {"properties": {"x": {"const": 0}}}},
+    },
+    "required": ["kind"],
+    "additionalProperties": False,
+    "if": {"properties": {"size": {"minimum": 10}}}, "then": {"required": ["unit"]},
+    "else": {"properties": {"unit": {"maxLength": 2}}},
+    # a name list (stated on the rule's bits, enforced) beside a schema (ignored)
+    "dependencies": {"unit": ["size"], "tags": {"required": ["meta"]}},
+}
+
+
+def test_what_llguidance_ignores_leaves_the_order_free(backends, encode):
+    """Keywords llguidance does not implement (a lenient compile ignores them and says so) no
+    longer keep their objects in the schema's order: the grammar enforces what llguidance
+    enforced, in any order, and reports the same keywords."""
+    spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(IGNORED)))
+    result = compile_spec(spec, backends)
+    assert result.backend == LLGUIDANCE and "properties in any order" in result.reason
+    assert set(result.unenforced) == {
+        "if", "then", "else", "dependencies", "properties.tags.uniqueItems",
+        "properties.tags.contains", "properties.meta.propertyNames", "properties.meta.not"}
+    auto = common_pb2.GRAMMAR_BACKEND_AUTO  # lenient: a forced llguidance refuses them
+    g = compiled(backends, IGNORED, auto)
+    # keys in any order, at every depth
+    assert accepts(g, encode, '{"unit": "cm", "size": 3, "kind": "a", "tags": '
+                              '[{"v": 1, "k": "q"}, {"v": 1, "k": "q"}], "meta": {"y": 1, '
+                              '"x": 0, "long_name": 5}}')
+    # what stays enforced: enums, types, required, closed objects, the name list
+    for text in ('{"kind": "c"}', '{"size": 3}', '{"kind": "a", "size": "3"}',
+                 '{"kind": "a", "other": 1}', '{"kind": "a", "tags": [{"k": "q"}]}',
+                 '{"kind": "a", "unit": "cm"}', '{"kind": "a", "meta": {"x": "1"}}'):
+        assert not accepts(g, encode, text), text
+    # the ignored keywords, as llguidance's own compile ignores them
+    assert accepts(g, encode, '{"kind": "b", "size": 20, "tags": []}')
+    # as llguidance's own lenient compile (schema order) decides, on documents in order
+    own = compiled(backends, IGNORED, auto, fixed_property_order=True)
+    rng = random.Random(7)
+    for _ in range(60):
+        doc = {"kind": rng.choice(["a", "b", "c"])}
+        for key, value in (("size", rng.choice([1, 20, "x"])), ("unit", rng.choice(["cm", 3])),
+                           ("tags", rng.choice([[], [{"k": "q", "v": 1}], [1]])),
+                           ("meta", {"x": rng.choice([0, 1])})):
+            if rng.random() < 0.5:
+                doc[key] = value
+        text = json.dumps(doc)
+        # (the name list is ours: llguidance ignores all of `dependencies`)
+        needs = "unit" not in doc or "size" in doc
+        assert accepts(g, encode, text) == (accepts(own, encode, text) and needs), text
+
+
+def test_the_root_carried_by_an_embedded_node(backends, encode):
+    """A node embedded whole that refers to the root carries it under its $defs without the
+    root's `$id` (llguidance would resolve the rewritten references against that URL and
+    fail, and the whole schema fell back to the schema's order)."""
+    schema = {"$id": "https://example.com/tree.json", "type": "object",
+              "properties": {"name": {"type": "string"}, "size": {"type": "integer"},
+                             # more items than the rewrite writes out: embedded whole
+                             "kids": {"type": "array", "items": {"$ref": "#"},
+                                      "maxItems": 40}},
+              "required": ["name"]}
+    spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema)))
+    assert "properties in any order" in compile_spec(spec, backends).reason
+    g = compiled(backends, schema)
+    assert accepts(g, encode, '{"size": 1, "name": "a", "kids": [{"name": "b"}]}')
+    assert not accepts(g, encode, '{"size": 1, "name": "a", "kids": [{}]}')
+    assert not accepts(g, encode, '{"size": 1, "kids": [{"name": "b"}]}')

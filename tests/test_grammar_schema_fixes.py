@@ -22,7 +22,9 @@ from grammar_service.schema_fixes import (
     fix_schema,
     fix_schema_llguidance,
     forbid_unlisted_properties,
+    LLG_IGNORED,
     llguidance_fix_applies,
+    without_ignored,
 )
 from grammar_service.specs import canonical_json, parse_spec
 from grammar_service.unenforced import find_unenforced
@@ -286,3 +288,51 @@ def test_format_patterns_match_rfc3339_with_leap_days_and_utc_leap_seconds(fmt, 
 
     text = text.encode().decode("unicode_escape")
     assert (re.fullmatch(FORMAT_PATTERNS[fmt], text) is not None) == ok
+
+
+# ----------------------------------------------- what llguidance's lenient compile ignores
+
+
+def test_llguidance_ignores_each_keyword_left_out():
+    """`LLG_IGNORED` is what llguidance itself does not implement: compiled leniently, each
+    keyword is named in an "Unimplemented keys" warning (an upgrade that implements one fails
+    here, and the keyword must then stay in the schema it compiles)."""
+    import llguidance
+
+    vocab = load_vocab(ensure_default_model())
+    tok = VocabView.of(vocab).backends()["llguidance"].tokenizer
+    values = {"not": {"type": "null"}, "if": {"required": ["a"]}, "then": {"required": ["b"]},
+              "else": {"required": ["c"]}, "uniqueItems": True, "contains": {"type": "integer"},
+              "minContains": 1, "maxContains": 2, "propertyNames": {"maxLength": 2},
+              "dependentSchemas": {"a": {"required": ["b"]}},
+              "unevaluatedProperties": False, "unevaluatedItems": False}
+    assert values.keys() == LLG_IGNORED
+    for keyword, value in values.items():
+        schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", keyword: value}
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), overrides={"lenient": True})
+        failed, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+        assert not failed and any("Unimplemented keys" in w and f'"{keyword}"' in w
+                                  for w in warnings), (keyword, warnings)
+
+
+def test_without_ignored_leaves_names_data_and_name_lists():
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+              "properties": {"if": {"type": "string", "not": {"const": "x"}},
+                             "not": {"uniqueItems": True, "items": {}}},
+              "required": ["if", "not"], "default": {"not": 1},
+              "dependencies": {"if": ["not"], "not": {"required": ["q"]}},
+              "if": {"required": ["a"]}, "then": {"required": ["b"]}}
+    out, dropped = without_ignored(schema, json.dumps(schema))
+    assert dropped == ("dependencies", "if", "not", "then", "uniqueItems")
+    assert out == {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                   "properties": {"if": {"type": "string"}, "not": {"items": {}}},
+                   "required": ["if", "not"], "default": {"not": 1},
+                   "dependencies": {"if": ["not"]}}
+    assert schema["properties"]["if"]["not"] == {"const": "x"}  # a copy: the input unchanged
+    # after draft 7 `dependencies` is no keyword: llguidance ignores all of it
+    later = {**schema, "$schema": "https://json-schema.org/draft/2020-12/schema"}
+    assert "dependencies" not in without_ignored(later, json.dumps(later))[0]
+    # nothing to leave out: the schema itself, no walk
+    plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert without_ignored(plain, json.dumps(plain)) == (plain, ())
