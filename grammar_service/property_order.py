@@ -27,7 +27,7 @@ union: the alternation of the branches), `oneOf` whose branches exclude each oth
 no instance matches two, and oneOf is the union), and arrays with an `items` schema. Two
 branches exclude each other when their types are apart, or they share only objects and
 one requires a name with constants the other's values for that name exclude (required
-there or not), or (`_apart_parts`) both have no `type` and only object keywords, so both
+there or not) or a name the other does not allow (a closed object that does not list it), or (`_apart_parts`) both have no `type` and only object keywords, so both
 match every non-object, and are apart on objects: with two such branches no non-object is
 an instance, and each is written as its objects. Keywords beside a union (`type` and the
 object keywords) hold in each branch: each branch is written with them, unless they are a
@@ -126,6 +126,10 @@ _ANNOTATIONS = frozenset({
 })
 # Keywords whose values are data, not schemas (no $ref inside them is a reference).
 _DATA = frozenset({"enum", "const", "default", "examples"})
+# Keywords whose values map names to schemas (a name is never a keyword: a property may be
+# called "examples" or "$ref").
+_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas", "dependencies"})
 _OBJECT_KEYWORDS = ("type", "properties", "required", "additionalProperties")
 _OBJECT_SET = frozenset(_OBJECT_KEYWORDS)
 # What `_merge` takes in a node or a branch of its allOf (through references).
@@ -359,25 +363,27 @@ class _Rewriter:
         within, target = _type_set(node), _type_set(self.resolve(node["$ref"])[0])
         return within is not None and target is not None and target <= within
 
-    def _facts(self, node) -> tuple[frozenset, dict, frozenset]:
+    def _facts(self, node) -> tuple[frozenset, dict, frozenset, bool]:
         """(the JSON types `node` allows, {listed name: the values it allows there, or
-        None}, the required names) as far as its own keywords say; through `$ref`s, and
-        an allOf of objects as one (`_merge`)."""
+        None}, the required names, whether no unlisted name is allowed) as far as its own
+        keywords say; through `$ref`s, and an allOf of objects as one (`_merge`)."""
         types = self._types(node)
         node = self._through_refs(node)
         if "object" not in types or not isinstance(node, dict):
-            return types, {}, frozenset()
+            return types, {}, frozenset(), False
         if node.keys() & {"allOf", "$ref"}:
             found = self._merge(node)
             if found is None:
-                return types, {}, frozenset()
+                return types, {}, frozenset(), False
             node = found[0]
         props, required = node.get("properties", {}), node.get("required", [])
         if not (isinstance(props, dict) and isinstance(required, list)):
-            return types, {}, frozenset()
+            return types, {}, frozenset(), False
         named = {k: _values(self._through_refs(v)) for k, v in props.items()}
         named.update((k, []) for k, v in props.items() if v is False)  # never there
-        return types, named, frozenset(r for r in required if isinstance(r, str))
+        closed = node.get("additionalProperties", True) is False \
+            and not node.get("patternProperties")
+        return types, named, frozenset(r for r in required if isinstance(r, str)), closed
 
     def _apart_parts(self, parts: list) -> list | None:
         """The branches of a oneOf ((pointer, node) each) as a union's, when no instance
@@ -909,11 +915,14 @@ def _apart_on_objects(a: tuple, b: tuple) -> bool:
 
 
 def _apart_objects(a: tuple, b: tuple) -> bool:
-    """Whether no object matches both branches: one requires a name whose values there the
+    """Whether no object matches both branches: one requires a name that the other does not
+    allow (it takes no unlisted name and does not list it), or whose values there the
     other's values for it exclude (whether the other requires the name or not: where
     present, it holds one of those)."""
-    _, named_a, required_a = a
-    _, named_b, required_b = b
+    _, named_a, required_a, closed_a = a
+    _, named_b, required_b, closed_b = b
+    if (closed_a and required_b - named_a.keys()) or (closed_b and required_a - named_b.keys()):
+        return True
     return any(named_a[k] is not None and named_b[k] is not None
                and (k in required_a or k in required_b)
                and not any(_same(x, y) for x in named_a[k] for y in named_b[k])
@@ -1072,21 +1081,21 @@ def _names_regex(names: list[str]) -> str:
 def _refs(node, resolve) -> list[str]:
     """Every $ref reachable from `node`, following local ones (each target once)."""
     seen: list[str] = []
-    stack = [node]
+    stack = [(node, False)]  # (value, whether its keys are names: a property named "$ref")
     while stack:
-        current = stack.pop()
+        current, names = stack.pop()
         if isinstance(current, dict):
             for key, value in current.items():
-                if key in _DATA:
-                    continue
-                if key == "$ref" and isinstance(value, str):
+                if names:
+                    stack.append((value, False))
+                elif key == "$ref" and isinstance(value, str):
                     if value not in seen:
                         seen.append(value)
-                        stack.append(resolve(value)[0])
-                else:
-                    stack.append(value)
+                        stack.append((resolve(value)[0], False))
+                elif key not in _DATA:
+                    stack.append((value, key in _MAPS))
         elif isinstance(current, list):
-            stack.extend(current)
+            stack.extend((value, False) for value in current)
     return seen
 
 
@@ -1095,13 +1104,17 @@ def _def_ref(ref: str) -> str:
     return "#/$defs/" + _escape("gs" + ref[1:])
 
 
-def _with_refs(node):
+def _with_refs(node, names: bool = False):
     """A copy of `node` with each local `$ref` pointing into the embedded node's $defs
-    (`_def_ref`; data left alone). Every local reference a node reaches travels with it
-    (`_refs`), so each one is rewritten."""
+    (`_def_ref`; data left alone; `names`: the keys of `node` are names, as in `properties`).
+    Every local reference a node reaches travels with it (`_refs`), so each one is
+    rewritten."""
     if isinstance(node, dict):
+        if names:
+            return {k: _with_refs(v) for k, v in node.items()}
         return {k: (_def_ref(v) if k == "$ref" and isinstance(v, str) and _local(v)
-                    else v if k in _DATA else _with_refs(v)) for k, v in node.items()}
+                    else v if k in _DATA else _with_refs(v, k in _MAPS))
+                for k, v in node.items()}
     if isinstance(node, list):
         return [_with_refs(v) for v in node]
     return node

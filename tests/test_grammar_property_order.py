@@ -837,6 +837,48 @@ def test_a_oneof_apart_by_a_name_one_branch_requires(backends, encode):
         gone='"oneOf"')
 
 
+def test_a_oneof_of_closed_objects_apart_by_their_names(backends, encode):
+    """Closed objects (no unlisted name) each requiring a name the others do not list, as
+    test trees and discriminated configs write them: no object matches two, so the oneOf is
+    their union (it was llguidance's own, approximated as anyOf and in the schema's
+    order). Both open (each takes the other's name as an unlisted one): not apart."""
+    def case(name, extra):
+        return {"type": "object", "additionalProperties": False, "required": [name],
+                "properties": {name: {"type": "string"}, "id": {"type": "string"},
+                               extra: {"type": "integer"}}}
+    schema = {"type": "array", "items": {"oneOf": [
+        case("test-case", "timeout"), case("test-fixture", "depth"),
+        {"$ref": "#/$defs/seq"}]},
+        "$defs": {"seq": case("test-sequence", "repeat")}}
+    _rewritten(backends, encode, schema, [
+        ('[{"id":"x","test-case":"a"}]', True), ('[{"depth":1,"test-fixture":"f"}]', True),
+        ('[{"repeat":2,"id":"i","test-sequence":"s"}]', True),
+        ('[{"test-case":"a","test-fixture":"f"}]', False), ('[{"id":"x"}]', False),
+        ('[{"test-case":"a","depth":1}]', False)], gone='"oneOf"')
+    both_open = {"oneOf": [{**case("a", "x"), "additionalProperties": True},
+                           {"type": "object", "required": ["b"]}]}
+    root = {"type": "object", "properties": {"p": both_open, "q": {"type": "integer"}}}
+    assert '"oneOf"' in any_order_grammar(root, {}, None)  # embedded: llguidance's own
+
+
+def test_names_that_are_keywords_inside_embedded_nodes(backends, encode):
+    """A property called "examples" (or "default", "enum") is a name, not data: the
+    references below it travel with the embedded node (llguidance refused the grammar, and
+    the whole schema fell back to the schema's order)."""
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string"}, "b": {"type": "string"},
+        "data": {"type": "object", "patternProperties": {"^x": {}}, "properties": {
+            "examples": {"$ref": "#/$defs/list"}, "default": {"$ref": "#/$defs/list"}}}},
+        "$defs": {"list": {"type": "array", "items": {"type": "integer"}}}}
+    g = compiled(backends, schema)
+    for text, ok in [('{"b":"x","a":"y","data":{"examples":[1]}}', True),
+                     ('{"data":{"examples":["s"]},"a":"y"}', False),
+                     ('{"data":{"default":["s"],"examples":[1]}}', False),
+                     ('{"data":{"examples":[1],"default":[2]},"b":"x"}', True)]:
+        assert accepts(g, encode, text) is ok, text
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) is ok, text
+
+
 def test_a_oneof_of_untyped_objects(backends, encode):
     """Branches without `type` (object keywords only) match every non-object: two of them
     in a oneOf leave no non-object an instance, so the union is the branches' objects, apart
