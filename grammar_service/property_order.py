@@ -22,8 +22,8 @@ require others (`dependentRequired`, or `dependencies` with name lists up to dra
 conditions on the closing brace. `patternProperties` are members without a bit whose key is
 llguidance's JSON string with the pattern (embedded), where a name a pattern matches takes
 nothing else (`_patterns`: `additionalProperties: false`, no listed name matched, patterns
-apart). The rewrite reaches such objects through local `$ref`s, `anyOf` (a
-union: the alternation of the branches), `oneOf` whose branches exclude each other (then
+apart). The rewrite reaches such objects through local `$ref`s, an `allOf` of one
+schema (that schema), `anyOf` (a union: the alternation of the branches), `oneOf` whose branches exclude each other (then
 no instance matches two, and oneOf is the union), and arrays with an `items` schema. Two
 branches exclude each other when their types are apart, or they share only objects and
 one requires a name with constants the other's values for that name exclude (required
@@ -36,7 +36,9 @@ them, as llguidance compiles it in every draft: draft 7 and before would ignore 
 `allOf` of such objects (nothing in any branch but those four keywords, through `$ref`s)
 is one object (`_merge`): each name's value under every branch that speaks of it (its
 `properties` entry, else its `additionalProperties`: each branch's own), every branch's
-required names required; a name whose branches' types are apart is never allowed. Every
+required names required; a name whose branches' types are apart is never allowed. An
+`allOf` of arrays (`type`, `items`, `minItems`, `maxItems`) is one array, its items under
+every branch's `items` (`_merged_array`). Every
 other node (strings, numbers, `enum`, other `allOf`s and `oneOf`s, ...) stays llguidance's
 JSON compiler's, embedded as `%json {...}` with the same options, the schema's definitions
 it refers to carried along. So the grammar enforces what the JSON compiler would, property
@@ -146,6 +148,8 @@ _INDEPENDENT = frozenset({
 _NARROWING = frozenset({"$ref", "allOf", "anyOf", "oneOf", "required"})
 _NOT_OBJECT = ("array", "string", "number", "boolean", "null")
 _ARRAY_KEYWORDS = ("type", "items", "minItems", "maxItems")
+# What `_merged_array` takes in a node or a branch of its allOf (through references).
+_ARRAY_CONJUNCTS = frozenset(_ARRAY_KEYWORDS) | {"allOf", "$ref"}
 _NOT_ARRAY = ("object", "string", "number", "boolean", "null")
 _NAME = re.compile(r"\b(?:n\d+_[mr]|[nj]\d+|T\d+)\b")
 # Array bounds written out as repetitions up to this many items; larger ones are embedded.
@@ -250,6 +254,12 @@ class _Rewriter:
                                        or self._typed_ref(node)):
             target, target_pointer = self.resolve(node["$ref"])
             self.names[pointer] = self.node(target_pointer, target)
+            return self.names[pointer]
+        if isinstance(node, dict) and node.keys() & _ASSERTIONS == {"allOf"} \
+                and isinstance(node["allOf"], list) and len(node["allOf"]) == 1:
+            # An allOf of one schema is that schema (as a $ref with a title beside it is
+            # written before draft 2019-09)
+            self.names[pointer] = self.node(f"{pointer}/allOf/0", node["allOf"][0])
             return self.names[pointer]
         leaf = self.leaf(node)
         if leaf is not None:
@@ -607,15 +617,16 @@ class _Rewriter:
 
     def all_of(self, pointer: str, node: dict) -> str | None:
         """An `allOf` of object schemas (`_merge`): the one object they make together is
-        written (and the other types every branch allows, embedded). Else None (embedded
-        whole)."""
-        found = self._merge(node)
-        if found is None:
-            return None
-        merged, within = found
+        written (and the other types every branch allows, embedded); of array schemas
+        (`_merged_array`), the one array. Else None (embedded whole)."""
         # A pointer no schema has (an escaped pointer never holds "~a"): the merged node's
         # values are rules of their own.
         inner = f"{pointer}/~allOf"
+        found = self._merge(node)
+        if found is None:
+            array = self._merged_array(node)
+            return None if array is None else self.array(inner, array)
+        merged, within = found
         self.names[inner] = self.names[pointer]
         others = [t for t in _NOT_OBJECT + ("integer",) if t in within
                   and not (t == "integer" and "number" in within)]
@@ -625,6 +636,31 @@ class _Rewriter:
         if body is None or not others:
             return body
         return f"{body} | {self.embed({'type': others})}"
+
+    def _merged_array(self, node) -> dict | None:
+        """For a node whose keywords and every branch of its `allOf`s (through `$ref`s) are
+        nothing but `type`, `items`, `minItems` and `maxItems`, at least one saying `type:
+        array` and none another type: the one array node matching exactly what they all
+        match (each item under every branch's `items`, the tightest bounds; as when a
+        conditional adds constraints to an array's items). None for any other node."""
+        branches = self._conjuncts(node, _ARRAY_CONJUNCTS)
+        if branches is None or not any(b.get("type") == "array" for b in branches) \
+                or not all(b.get("type", "array") == "array" for b in branches):
+            return None
+        items = [b["items"] for b in branches if "items" in b]
+        lows = [b["minItems"] for b in branches if "minItems" in b]
+        highs = [b["maxItems"] for b in branches if "maxItems" in b]
+        if not (all(isinstance(i, (bool, dict)) for i in items)
+                and all(_count(n) for n in lows + highs)):
+            return None
+        merged: dict = {"type": "array"}
+        if items:
+            merged["items"] = items[0] if len(items) == 1 else {"allOf": items}
+        if lows:
+            merged["minItems"] = max(lows)
+        if highs:
+            merged["maxItems"] = min(highs)
+        return merged
 
     def _merge(self, node) -> tuple[dict, frozenset] | None:
         """For a node whose keywords and every branch of its `allOf`s (through `$ref`s) are
@@ -700,10 +736,10 @@ class _Rewriter:
                    or self._impossible(props.get(name, extra), depth + 1)
                    for name in required)
 
-    def _conjuncts(self, node) -> list[dict] | None:
-        """The object keywords of `node` and of every schema its `allOf`s reach (through
-        `$ref`s), one dict per schema, in the schema's order; None when one of them holds
-        anything else (or is false, or malformed)."""
+    def _conjuncts(self, node, allowed=_CONJUNCT_KEYWORDS) -> list[dict] | None:
+        """The object keywords (`allowed`) of `node` and of every schema its `allOf`s reach
+        (through `$ref`s), one dict per schema, in the schema's order; None when one of them
+        holds anything else (or is false, or malformed)."""
         out, todo = [], [node]
         while todo:
             current = todo.pop(0)
@@ -716,7 +752,7 @@ class _Rewriter:
             if not isinstance(current, dict) or len(out) + len(todo) > MAX_PROPERTIES:
                 return None
             keys = current.keys() & _ASSERTIONS
-            if not keys <= _CONJUNCT_KEYWORDS:
+            if not keys <= allowed:
                 return None
             props = current.get("properties", {})
             required = current.get("required", [])

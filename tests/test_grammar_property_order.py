@@ -191,7 +191,7 @@ def test_what_the_rewrite_leaves_alone():
     # it is rewritten
     mixed = {"type": "object", "properties": {
         "a": {"allOf": [{"type": "object", "properties": {"x": {}, "y": {}},
-                         "maxProperties": 1}]}, "b": {}}}
+                         "maxProperties": 1}, {"required": ["x"]}]}, "b": {}}}
     text = any_order_grammar(mixed, opts, ws)
     assert text is not None and '"allOf"' in text
 
@@ -877,6 +877,43 @@ def test_names_that_are_keywords_inside_embedded_nodes(backends, encode):
                      ('{"data":{"examples":[1],"default":[2]},"b":"x"}', True)]:
         assert accepts(g, encode, text) is ok, text
         assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) is ok, text
+
+
+def test_an_all_of_of_one_schema_is_that_schema(backends, encode):
+    """`{"title": ..., "allOf": [{"$ref": ...}]}` (how a reference took a title before
+    draft 2019-09) is its target, written in any order, here an object with a union."""
+    option = {"type": "object", "properties": {"name": {"type": "string"}, "kind": {},
+                                               "value": {}},
+              "anyOf": [{"properties": {"kind": {"const": "s"}, "value": {"type": "string"}}},
+                        {"properties": {"kind": {"const": "n"}, "value": {"type": "number"}}}]}
+    schema = {"type": "array", "items": {"title": "an option",
+                                         "allOf": [{"$ref": "#/$defs/option"}]},
+              "$defs": {"option": option}}
+    _rewritten(backends, encode, schema, [
+        ('[{"value":"v","other":1,"name":"a"}]', True), ('[{"value":2,"kind":"n"}]', True),
+        ('[{"value":2,"kind":"s"}]', False), ('[{"name":3}]', False)], gone='"allOf"')
+
+
+def test_an_all_of_of_arrays_is_one_array(backends, encode):
+    """A union written with `if` on one name (the version of a chart) whose other side
+    narrows an array's items: each side's array is one array, items under both `items`
+    (one object, any order), the tightest bounds."""
+    deps = {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "additionalProperties": False, "required": ["name"],
+        "properties": {"name": {"type": "string"}, "alias": {"type": "string"},
+                       "after": {"type": "array", "items": {"type": "string"}}}}}
+    schema = {"type": "object", "required": ["v"], "additionalProperties": False,
+              "properties": {"v": {"enum": [2, 3]}, "deps": deps},
+              "if": {"properties": {"v": {"const": 3}}},
+              "else": {"properties": {"deps": {"type": "array", "minItems": 1, "items": {
+                  "properties": {"after": False}}}}}}
+    _rewritten(backends, encode, schema, [
+        ('{"deps":[{"alias":"a","name":"b"}],"v":2}', True),
+        ('{"deps":[{"after":["x"],"name":"b"}],"v":3}', True),
+        ('{"deps":[{"after":["x"],"name":"b"}],"v":2}', False),
+        ('{"deps":[],"v":2}', False), ('{"deps":[],"v":3}', True),
+        ('{"deps":[{"name":"a"},{"name":"b"},{"name":"c"},{"name":"d"}],"v":3}', False)],
+        gone='"minItems"')  # embedded, the array would carry its keywords
 
 
 def test_a_oneof_of_untyped_objects(backends, encode):
