@@ -429,14 +429,16 @@ class _Rewriter:
 
     def _alternatives(self, node, depth: int = 0) -> list:
         """The `_facts` of each branch of a union `node` (through `$ref`s, unions within
-        unions), or `[_facts(node)]`: one of them holds for every instance."""
+        unions; each branch with the object keywords beside the union, which hold in every
+        branch), or `[_facts(node)]`: one of them holds for every instance."""
         target = self._through_refs(node)
         if isinstance(target, dict) and depth < 8:
-            word = target.keys() & _ASSERTIONS
-            if len(word) == 1 and word <= {"anyOf", "oneOf"}:
-                branches = target[word.pop()]
-                if isinstance(branches, list) and 0 < len(branches) <= MAX_PROPERTIES:
-                    return [f for b in branches for f in self._alternatives(b, depth + 1)]
+            union = _union(target, target.keys() & _ASSERTIONS)
+            if union is not None and isinstance(union[1], list) \
+                    and 0 < len(union[1]) <= MAX_PROPERTIES:
+                _, branches, own = union
+                return [f for b in branches for f in self._alternatives(
+                    {"allOf": [b, own]} if own else b, depth + 1)]
         return [self._facts(node)]
 
     def _universal(self, node) -> bool:

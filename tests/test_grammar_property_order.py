@@ -855,6 +855,17 @@ def test_a_oneof_of_closed_objects_apart_by_their_names(backends, encode):
         ('[{"repeat":2,"id":"i","test-sequence":"s"}]', True),
         ('[{"test-case":"a","test-fixture":"f"}]', False), ('[{"id":"x"}]', False),
         ('[{"test-case":"a","depth":1}]', False)], gone='"oneOf"')
+    # an open branch whose own union requires one of two names the closed one lacks
+    partial = {"type": "object", "required": ["specs"],
+               "properties": {"specs": {"type": "array"}, "host": {"type": "string"},
+                              "port": {"type": "integer"}},
+               "anyOf": [{"required": ["host"]}, {"required": ["port"]}]}
+    full = {"type": "object", "additionalProperties": False, "required": ["url", "specs"],
+            "properties": {"url": {"type": "string"}, "specs": {"type": "array"}}}
+    _rewritten(backends, encode, {"oneOf": [{"type": "string"}, full, partial]}, [
+        ('{"specs":[],"url":"u"}', True), ('{"port":1,"specs":[],"url":"u"}', True),
+        ('{"specs":[],"host":"h"}', True), ('{"specs":[]}', False), ('"s"', True),
+        ('{"url":"u","specs":[],"extra":1}', False)], gone='"oneOf"')
     both_open = {"oneOf": [{**case("a", "x"), "additionalProperties": True},
                            {"type": "object", "required": ["b"]}]}
     root = {"type": "object", "properties": {"p": both_open, "q": {"type": "integer"}}}
