@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 import jsonschema_rs
+from jsonschema import FormatChecker
 from jsonschema import exceptions as jsonschema_exceptions
 from jsonschema import validators as jsonschema_validators
 
@@ -227,7 +229,7 @@ def _check_schema(schema, field: str) -> None:
         schema, default=jsonschema_validators.Draft202012Validator)
     try:
         if not _meta_valid_fast(schema, cls):
-            cls.check_schema(schema)
+            cls.check_schema(schema, format_checker=_meta_checker(cls))
     except jsonschema_exceptions.SchemaError as exc:
         path = ".".join(str(p) for p in exc.absolute_path) or "(root)"
         raise InvalidArgument(f"not a valid JSON Schema at {path}: {exc.message}",
@@ -250,6 +252,33 @@ _META_FORMATS = {"pattern": "regex", "$ref": "uri-reference", "$id": "uri-refere
 _META_NAME_FORMATS = {"patternProperties": "regex", "$vocabulary": "uri"}
 
 
+# A `regex` in a schema is ECMA-262's (named groups `(?<name>...)`, `\\k<name>`), which
+# Python's `re`, jsonschema's regex check, refuses: jsonschema-rs's check reads ECMA-262.
+# Either one taking it will do (both backends' engines read Python's `(?P<name>...)` too).
+_ECMA_REGEX = jsonschema_rs.validator_for({"format": "regex"}, validate_formats=True)
+_META_CHECKERS: dict = {}
+
+
+def _meta_checker(cls) -> FormatChecker:
+    """`cls`'s format checker, its regex check taking ECMA-262 too."""
+    checker = _META_CHECKERS.get(cls)
+    if checker is None:
+        checker = FormatChecker(list(cls.FORMAT_CHECKER.checkers))
+        checker.checks("regex")(_is_regex)
+        checker = _META_CHECKERS[cls] = checker
+    return checker
+
+
+def _is_regex(value) -> bool:
+    if not isinstance(value, str) or _ECMA_REGEX.is_valid(value):
+        return True
+    try:
+        re.compile(value)
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return False
+    return True
+
+
 def _meta_valid_fast(schema: dict, cls) -> bool:
     """True when `schema` is valid against its meta-schema, found fast: jsonschema-rs checks
     the structure (SchemaStore's schemas: 9 ms for 138, against 1.5 s for jsonschema, whose
@@ -262,7 +291,7 @@ def _meta_valid_fast(schema: dict, cls) -> bool:
             return False
     except Exception:  # noqa: BLE001 - an unknown $schema, nesting: the full check decides
         return False
-    checker = cls.FORMAT_CHECKER
+    checker = _meta_checker(cls)
     stack = [schema]
     while stack:
         node = stack.pop()

@@ -584,7 +584,7 @@ def test_the_fast_meta_check_accepts_the_conformance_suite_schemas_jsonschema_ac
     check never accepts what jsonschema's full check refuses."""
     from jsonschema import validators
 
-    from grammar_service.specs import _meta_valid_fast
+    from grammar_service.specs import _meta_checker, _meta_valid_fast
 
     root = Path(__file__).parent / "data" / "json_schema_test_suite"
     checked = 0
@@ -598,9 +598,25 @@ def test_the_fast_meta_check_accepts_the_conformance_suite_schemas_jsonschema_ac
                 continue
             cls = validators.validator_for(schema, default=validators.Draft202012Validator)
             if _meta_valid_fast(schema, cls):
-                cls.check_schema(schema)  # raises if the fast check was wrong
+                # raises if the fast check was wrong
+                cls.check_schema(schema, format_checker=_meta_checker(cls))
                 checked += 1
     assert checked > 400
+
+
+def test_patterns_are_ecma_262(backends, ranks, vocab):
+    """A `pattern` is an ECMA-262 regex: named groups `(?<name>...)`, which Python's `re`
+    refuses, are valid (a SchemaStore schema was refused as invalid) and enforced; Python's
+    `(?P<name>...)` stays accepted (both engines read it); a regex neither reads is refused,
+    naming where."""
+    spec = schema_spec({"type": "object", "required": ["d"], "properties": {
+        "d": {"type": "string", "pattern": "^(?<year>[0-9]{4})-(?<month>[0-9]{2})$"}}})
+    m = round_trip(backends, ranks, spec, LLGUIDANCE)
+    assert accepts(m, vocab, '{"d": "2024-05"}')
+    assert not accepts(m, vocab, '{"d": "2024-5"}')
+    schema_spec({"pattern": "^(?P<y>a)$"})
+    with pytest.raises(InvalidArgument, match="not a valid JSON Schema at properties.x.pattern"):
+        schema_spec({"properties": {"x": {"pattern": "(?<y>a"}}})
 
 
 def _lanes(vocab, lanes: int):
