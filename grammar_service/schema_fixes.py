@@ -47,6 +47,13 @@ keywords become the node's `anyOf` (where it has none, and this is its one condi
 `allOf` of unions llguidance refuses or multiplies out), which llguidance enforces and the
 any-order rewrite writes side by side. Any other `if` stays and is reported unenforced.
 
+llguidance, names written as patterns (`fix_schema_llguidance`): a `patternProperties`
+regex that matches a fixed set of names (`^name$`, `^(a|b)$`: `pattern_names`) is those
+names in `properties` (with the `properties` entry, where a name has one, in an `allOf`):
+the same schema (`patternProperties` apply to listed names too, and neither kind is
+additional), but names a rule's bit can track, so the object takes any order where it
+otherwise kept the schema's (appsettings.json lists its sections this way).
+
 llguidance, what it ignores anyway (`without_ignored`): compiled leniently, llguidance
 ignores the keywords it does not implement (`LLG_IGNORED`: `not`, `if`/`then`/`else`,
 `uniqueItems`, `contains`, `propertyNames`, `unevaluatedProperties`, ...; and `dependencies`
@@ -106,7 +113,8 @@ _LLG_FIX_TEXT = re.compile(
     rf'"(?:{"|".join(_COUNTS)})"\s*:\s*-?[0-9]+[.eE]'
     rf'|"format"\s*:\s*"(?:{"|".join(FORMAT_PATTERNS)})"'
     r'|"not"\s*:\s*\{\s*"(?:required|anyOf)"'
-    r'|"if"\s*:\s*\{')
+    r'|"if"\s*:\s*\{'
+    r'|"patternProperties"\s*:\s*\{\s*"\^')
 
 
 def fix_schema(schema: Any) -> Any:
@@ -116,17 +124,18 @@ def fix_schema(schema: Any) -> Any:
 
 
 def fix_schema_llguidance(schema: Any) -> Any:
-    """A copy of `schema` with the llguidance rewrites (integral bounds, exact date and time
-    formats, names never there, unions written with `if`) applied at every depth (no state
-    changed)."""
+    """A copy of `schema` with the llguidance rewrites (integral bounds, names written as
+    patterns, exact date and time formats, names never there, unions written with `if`)
+    applied at every depth (no state changed)."""
     return _map(schema, lambda node: _conditional_node(
-        _absent_node(_format_node(_integral_node(node))), schema))
+        _absent_node(_format_node(_named_patterns_node(_integral_node(node)))), schema))
 
 
 def llguidance_fix_applies(text: str) -> bool:
     """Whether `fix_schema_llguidance` can change the schema whose JSON `text` this is
-    (json.dumps output): only a count written with a fraction or exponent, or a date or time
-    format, can. False spares the walk, which copies every node."""
+    (json.dumps output): only a count written with a fraction or exponent, a date or time
+    format, a `not` of required names, an `if` or an anchored `patternProperties` regex can.
+    False spares the walk, which copies every node."""
     return _LLG_FIX_TEXT.search(text) is not None
 
 
@@ -180,6 +189,58 @@ def _integral_node(node: dict) -> dict:
         if isinstance(value, float) and value.is_integer() and value >= 0:
             node[key] = int(value)
     return node
+
+
+def _named_patterns_node(node: dict) -> dict:
+    patterns, props = node.get("patternProperties"), node.get("properties", {})
+    if not (isinstance(patterns, dict) and patterns and isinstance(props, dict)):
+        return node
+    named = {pattern: names for pattern in patterns
+             if (names := pattern_names(pattern)) is not None}
+    if not named:
+        return node
+    props = node["properties"] = dict(props)
+    for pattern, names in named.items():
+        sub = patterns.pop(pattern)
+        for name in names:
+            props[name] = {"allOf": [props[name], sub]} if name in props else sub
+    if not patterns:
+        del node["patternProperties"]
+    return node
+
+
+# Characters with a meaning in a regex (outside a class).
+_REGEX_META = frozenset("\\^$.|?*+()[]{}")
+
+
+def pattern_names(pattern: str) -> list[str] | None:
+    """The names an anchored regex of literal alternatives matches (`^name$`,
+    `^(a|b)$`, `^(?:a|b)$`; escaped punctuation is literal), or None for any other regex."""
+    if not (pattern.startswith("^") and pattern.endswith("$")) or pattern.endswith("\\$"):
+        return None
+    body = pattern[1:-1]
+    if body.startswith("(?:") and body.endswith(")"):
+        parts = body[3:-1].split("|")
+    elif body.startswith("(") and body.endswith(")") and not body.startswith("(?"):
+        parts = body[1:-1].split("|")
+    else:  # (`^a|b$` is "starts with a, or ends with b": no split outside a group)
+        parts = [body]
+    names = []
+    for part in parts:
+        name, i = [], 0
+        while i < len(part):
+            c = part[i]
+            if c == "\\" and i + 1 < len(part) and not part[i + 1].isalnum() \
+                    and part[i + 1] != "|":
+                name.append(part[i + 1])
+                i += 2
+            elif c in _REGEX_META:
+                return None
+            else:
+                name.append(c)
+                i += 1
+        names.append("".join(name))
+    return names
 
 
 def _format_node(node: dict) -> dict:

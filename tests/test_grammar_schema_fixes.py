@@ -24,6 +24,7 @@ from grammar_service.schema_fixes import (
     forbid_unlisted_properties,
     LLG_IGNORED,
     llguidance_fix_applies,
+    pattern_names,
     without_ignored,
 )
 from grammar_service.specs import canonical_json, parse_spec
@@ -336,3 +337,59 @@ def test_without_ignored_leaves_names_data_and_name_lists():
     # nothing to leave out: the schema itself, no walk
     plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert without_ignored(plain, json.dumps(plain)) == (plain, ())
+
+
+# ------------------------------------------------------------- names written as patterns
+
+
+def test_pattern_names_reads_only_anchored_literal_alternatives():
+    assert pattern_names("^WebOptimizer$") == ["WebOptimizer"]
+    assert pattern_names("^(cdn|Cdn)$") == ["cdn", "Cdn"]
+    assert pattern_names("^(?:a|b\\.c)$") == ["a", "b.c"]
+    assert pattern_names("^\\$ref$") == ["$ref"]
+    for pattern in ("^a|b$", "^a.b$", "a$", "^a", "^(a|b)(c)$", "^a\\d$", "^(?i)a$",
+                    "^(a)|(b)$", "^a\\$", "^[ab]$", "^a+$"):
+        assert pattern_names(pattern) is None, pattern
+
+
+def test_names_written_as_patterns_are_listed_names_in_any_order(tmp_path_factory):
+    """Literal patterns become listed names (an allOf with a listed name's own schema);
+    other patterns and additionalProperties keep their meaning; against jsonschema on every
+    document of up to three keys from the names involved, keys in both orders."""
+    import itertools
+    import random
+
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"cdn": {"type": "object", "properties": {"url": {"type": "string"}}},
+                             "n": {"type": "integer"}},
+              "patternProperties": {"^(cdn|Cdn)$": {"required": ["url"]},
+                                    "^Pwa$": {"type": "boolean"},
+                                    "^x-": {"type": "string"}}}
+    fixed = fix_schema_llguidance(schema)
+    assert set(fixed["patternProperties"]) == {"^x-"}
+    assert fixed["properties"]["Pwa"] == {"type": "boolean"}
+    assert fixed["properties"]["cdn"] == {"allOf": [schema["properties"]["cdn"],
+                                                    {"required": ["url"]}]}
+    vocab = load_vocab(ensure_default_model(tmp_path_factory.mktemp("m")))
+    backends = VocabView.of(vocab).backends()
+    spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema)))
+    compiled = compile_spec(spec, backends)
+    assert "properties in any order" in compiled.reason
+    b = backends[compiled.backend]
+    grammar = b.deserialize(compiled.payload)
+    tok = tokenizers.Tokenizer.from_str(vocab.tokenizer_json())
+    values = {"cdn": [{"url": "u"}, {}], "Cdn": [{"url": "u"}, 1], "Pwa": [True, "s"],
+              "n": [1], "x-a": ["s", 1], "other": [1]}
+    validator = jsonschema.Draft202012Validator(schema)
+    rng, checked = random.Random(5), 0
+    for size in range(4):
+        for keys in itertools.combinations(values, size):
+            doc = {k: rng.choice(values[k]) for k in keys}
+            for order in (list(doc), list(reversed(doc))):
+                text = json.dumps({k: doc[k] for k in order})
+                m = b.new_matcher(grammar)
+                ids = tok.encode(text, add_special_tokens=False).ids
+                ok = all(m.accept_token(t) for t in ids) and m.accept_token(m.stop_token_ids[0])
+                assert ok == validator.is_valid(doc), text
+                checked += 1
+    assert checked > 60
