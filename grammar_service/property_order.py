@@ -56,7 +56,8 @@ What stays fixed: objects inside embedded nodes (under an `allOf` with other key
 more than 64 listed properties). `None`
 (the caller compiles the schema as it is) when no object would change, when the schema uses
 what the rewrite does not resolve (a `$ref` that is not a local JSON pointer, `$id` below
-the root, anchors), or when the grammar would be much larger than the schema.
+the root or anchors where the schema has references), or when the grammar would be much
+larger than the schema.
 
 An optional property whose value provably matches nothing (`_impossible`: no type left, or
 an object that requires a name it forbids) is never allowed, as llguidance's own compile
@@ -151,6 +152,7 @@ _ARRAY_KEYWORDS = ("type", "items", "minItems", "maxItems")
 # What `_merged_array` takes in a node or a branch of its allOf (through references).
 _ARRAY_CONJUNCTS = frozenset(_ARRAY_KEYWORDS) | {"allOf", "$ref"}
 _NOT_ARRAY = ("object", "string", "number", "boolean", "null")
+_REFERENCE = re.compile(r'"\$(?:ref|dynamicRef|recursiveRef)"\s*:')
 _NAME = re.compile(r"\b(?:n\d+_[mr]|[nj]\d+|T\d+)\b")
 # Array bounds written out as repetitions up to this many items; larger ones are embedded.
 _MAX_ITEMS_WRITTEN = 16
@@ -216,8 +218,10 @@ class _Rewriter:
         text = json.dumps(schema) if text is None else text
         self.budget = max(MIN_BUDGET, SIZE_FACTOR * len(text))
         self.size = 0
-        if text.count('"$id"') > ("$id" in schema) or '"$anchor"' in text \
-                or '"$dynamicAnchor"' in text:
+        # (where no reference is written, an `$id` or anchor is nothing to resolve against:
+        # schema generators put an `$id` on every node)
+        if (text.count('"$id"') > ("$id" in schema) or '"$anchor"' in text
+                or '"$dynamicAnchor"' in text) and _REFERENCE.search(text):
             _check_ids(schema, top=True)
 
     def grammar(self) -> str | None:

@@ -185,8 +185,11 @@ def test_what_the_rewrite_leaves_alone():
     remote = {"type": "object", "properties": {"a": {"$ref": "other.json#/x"}, "b": {}}}
     assert any_order_grammar(remote, opts, ws) is None
     nested_id = {"type": "object", "properties": {"a": {"$id": "x", "type": "string"},
-                                                  "b": {}}}
+                                                  "b": {"$ref": "#/properties/a"}}}
     assert any_order_grammar(nested_id, opts, ws) is None
+    # without a reference an `$id` resolves nothing (generators put one on every node)
+    del nested_id["properties"]["b"]["$ref"]
+    assert any_order_grammar(nested_id, opts, ws) is not None
     # an object under an allOf with more than object keywords is embedded; the one beside
     # it is rewritten
     mixed = {"type": "object", "properties": {
@@ -1133,3 +1136,24 @@ def test_the_root_carried_by_an_embedded_node(backends, encode):
     assert accepts(g, encode, '{"size": 1, "name": "a", "kids": [{"name": "b"}]}')
     assert not accepts(g, encode, '{"size": 1, "name": "a", "kids": [{}]}')
     assert not accepts(g, encode, '{"size": 1, "kids": [{"name": "b"}]}')
+
+
+def test_ids_on_every_node_without_references(backends, encode):
+    """Schema generators put an `$id` on every node ("#/properties/a"); with no reference to
+    resolve against them they change nothing, and the objects take any order."""
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#",
+              "$id": "https://example.com/gen.json", "type": "object", "required": ["a"],
+              "properties": {
+                  "a": {"$id": "#/properties/a", "type": "string"},
+                  "b": {"$id": "#/properties/b", "type": "object",
+                        "properties": {"x": {"$id": "#/properties/b/properties/x",
+                                             "type": "integer"},
+                                       "y": {"$id": "#/properties/b/properties/y",
+                                             "type": "array", "maxItems": 40,
+                                             "items": {"$id": "#/properties/b/y/items"}}}}}}
+    spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema)))
+    assert "properties in any order" in compile_spec(spec, backends).reason
+    g = compiled(backends, schema)
+    assert accepts(g, encode, '{"b": {"y": [1], "x": 2}, "a": "s"}')
+    assert not accepts(g, encode, '{"b": {"x": "2"}, "a": "s"}')
+    assert not accepts(g, encode, '{"b": {}}')
