@@ -18,11 +18,11 @@ from grammar_service.choice import compile_spec
 from grammar_service.default_model import ensure_default_model
 from grammar_service.schema_fixes import (
     FORMAT_PATTERNS,
+    LLG_IGNORED,
     MAX_REWRITTEN_LENGTH,
     fix_schema,
     fix_schema_llguidance,
     forbid_unlisted_properties,
-    LLG_IGNORED,
     llguidance_fix_applies,
     pattern_names,
     without_ignored,
