@@ -11,7 +11,7 @@ which feature makes the tail: a length-bounded string (rewritten into a bounded 
 for xgrammar), its bound, the whitespace policy, a long free string, a string restricted by a
 `pattern` or a `format`. llguidance runs twice: with gramserve's slices
 (grammar_service.backends.WORD_SLICES before llguidance's general ones) and with llguidance's
-general slices alone.
+general slices alone (or, with `--versus 'REGEX;REGEX'`, those before the general ones).
 
     PYTHONPATH=$PWD python bench/mask_tail.py --corpus .bench/schemastore-138.json ...
 
@@ -92,29 +92,31 @@ def time_masks(judge: Judge, build, text: str, reps: int) -> tuple[list[float], 
     return times, worst_at, len(tokens)
 
 
-def _general_slices(vocab):
-    """`vocab` with llguidance's general slices alone in its cached llguidance tokenizer (the
-    same vocabulary; only the bench swaps it)."""
+def _other_slices(vocab, before: list[str]):
+    """`vocab` with `before` and then llguidance's general slices in its cached llguidance
+    tokenizer (the same vocabulary; only the bench swaps it)."""
     import llguidance
 
-    tok = vocab.llguidance_tokenizer().with_slices(llguidance.LLTokenizer.general_slices())
+    general = llguidance.LLTokenizer.general_slices()
+    tok = vocab.llguidance_tokenizer().with_slices(general[:1] + before + general[1:])
     vocab._cache["llguidance_tokenizer"] = tok
     return vocab
 
 
-def corpus(judge: Judge, general: Judge, path: Path, worst: int = 0) -> int:
+def corpus(judge: Judge, general: Judge, path: Path, worst: int = 0,
+           other: str = "general slices") -> int:
     """Every mask of every instance of the corpus at `path`, gramserve's choice, with both
     slice sets (interleaved per instance; per mask the faster of two walks). `worst`: also
     the schemas with the most masks over 300 us (gramserve's slices), each with the text
     before its slowest mask."""
     data = json.loads(path.read_text())
     slow: dict[str, list[tuple[float, str]]] = {}
-    times = {"gramserve slices": [], "general slices": []}
+    times = {"gramserve slices": [], other: []}
     accepted = dict.fromkeys(times, 0)
     bitmask = torch.zeros((1, judge.words), dtype=torch.int32)
     for entry in data["schemas"]:
         builds = {"gramserve slices": (judge, judge.build(entry["schema"], "gramserve")),
-                  "general slices": (general, general.build(entry["schema"], "gramserve"))}
+                  other: (general, general.build(entry["schema"], "gramserve"))}
         if not all(b.ok for _, b in builds.values()):
             continue
         for instance, _ in entry["instances"]:
@@ -166,15 +168,20 @@ def main(argv=None) -> int:
                         help="a bench/grammars.py --export-corpus file: all its masks instead")
     parser.add_argument("--worst", type=int, default=0,
                         help="with --corpus: the N schemas with the most masks over 300 us")
+    parser.add_argument("--versus", type=lambda text: [r for r in text.split(";") if r],
+                        default=[], metavar="REGEX;REGEX",
+                        help="the other column's slices before llguidance's general ones "
+                             "(default none: the general ones alone)")
     ns = parser.parse_args(argv)
     from bench.grammars import model_dir
     from grammar_service.vocab import load_vocab
 
     model = model_dir(ns.tokenizer)
     judge = Judge(load_vocab(model))
-    general = Judge(_general_slices(load_vocab(model)))
+    general = Judge(_other_slices(load_vocab(model), ns.versus))
     if ns.corpus is not None:
-        return corpus(judge, general, ns.corpus, ns.worst)
+        return corpus(judge, general, ns.corpus, ns.worst,
+                      "versus slices" if ns.versus else "general slices")
     print(f"vocabulary {judge.vocab.model_vocab_size} tokens, one thread, {ns.reps} walks; "
           "mask p50 / p99 / max us (slowest at token i of n); llguidance with gramserve's "
           "slices, then with its general slices alone")
