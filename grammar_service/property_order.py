@@ -22,14 +22,16 @@ require others (`dependentRequired`, or `dependencies` with name lists up to dra
 conditions on the closing brace. `patternProperties` are members without a bit whose key is
 llguidance's JSON string with the pattern (embedded), where a name a pattern matches takes
 nothing else (`_patterns`: `additionalProperties: false`, no listed name matched, patterns
-apart). The rewrite reaches such objects through local `$ref`s, an `allOf` of one
-schema (that schema), `anyOf` (a union: the alternation of the branches), `oneOf` whose branches exclude each other (then
-no instance matches two, and oneOf is the union), and arrays with an `items` schema. Two
-branches exclude each other when their types are apart, or they share only objects and
-one requires a name with constants the other's values for that name exclude (required
-there or not) or a name the other does not allow (a closed object that does not list it), or (`_apart_parts`) both have no `type` and only object keywords, so both
-match every non-object, and are apart on objects: with two such branches no non-object is
-an instance, and each is written as its objects. Keywords beside a union (`type` and the
+apart). The rewrite reaches such objects through local `$ref`s, an `allOf` of one schema
+(that schema), `anyOf` (a union: the alternation of the branches), `oneOf` whose branches
+exclude each other (then no instance matches two, and oneOf is the union), and arrays with
+an `items` schema. Two branches exclude each other when their types are apart, or they
+share only objects and one requires a name with constants the other's values for that name
+exclude (required there or not) or a name the other does not allow (a closed object that
+does not list it; a branch's own union taken branch by branch), or (`_apart_parts`) both
+have no `type` and only object keywords, so both match every non-object, and are apart on
+objects: with two such branches no non-object is an instance, and each is written as its
+objects. Keywords beside a union (`type` and the
 object keywords) hold in each branch: each branch is written with them, unless they are a
 `type` every branch already implies; the same for a `$ref` beside them (the target and
 them, as llguidance compiles it in every draft: draft 7 and before would ignore them). An
@@ -38,10 +40,9 @@ is one object (`_merge`): each name's value under every branch that speaks of it
 `properties` entry, else its `additionalProperties`: each branch's own), every branch's
 required names required; a name whose branches' types are apart is never allowed. An
 `allOf` of arrays (`type`, `items`, `minItems`, `maxItems`) is one array, its items under
-every branch's `items` (`_merged_array`). Every
-other node (strings, numbers, `enum`, other `allOf`s and `oneOf`s, ...) stays llguidance's
-JSON compiler's, embedded as `%json {...}` with the same options, the schema's definitions
-it refers to carried along. So the grammar enforces what the JSON compiler would, property
+every branch's `items` (`_merged_array`). Every other node (strings, numbers, `enum`,
+other `allOf`s and `oneOf`s, ...) stays llguidance's JSON compiler's, embedded as `%json
+{...}` with the same options, the schema's definitions it refers to carried along. So the grammar enforces what the JSON compiler would, property
 order aside, and its warnings (lenient compiles) are the same.
 
 A node without `type` (or with a list holding "object") that lists properties is the

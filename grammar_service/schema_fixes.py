@@ -114,7 +114,7 @@ _LLG_FIX_TEXT = re.compile(
     rf'|"format"\s*:\s*"(?:{"|".join(FORMAT_PATTERNS)})"'
     r'|"not"\s*:\s*\{\s*"(?:required|anyOf)"'
     r'|"if"\s*:\s*\{'
-    r'|"patternProperties"\s*:\s*\{\s*"\^')
+    r'|"\^[^"]*\$"\s*:')  # a name that is an anchored regex: a patternProperties key
 
 
 def fix_schema(schema: Any) -> Any:
@@ -152,10 +152,11 @@ _LLG_IGNORED_TEXT = re.compile(
 
 def without_ignored(schema: Any, text: str) -> tuple[Any, tuple[str, ...]]:
     """(`schema` without what llguidance's lenient compile ignores, the keywords left out):
-    every `LLG_IGNORED` keyword of every subschema, and `dependencies` (up to draft 7 only its
-    schema entries: its name lists stay, and the rewrite states them). `text`: the schema's JSON, which spares the walk (and the copy)
-    when no such keyword is in it. Compiled leniently the result enforces what `schema` does
-    on llguidance; the caller reports the keywords (as llguidance's warning would)."""
+    every `LLG_IGNORED` keyword of every subschema, and `dependencies` (up to draft 7 only
+    its schema entries: its name lists stay, and the rewrite states them). `text`: the
+    schema's JSON, which spares the walk (and the copy) when no such keyword is in it.
+    Compiled leniently the result enforces what `schema` does on llguidance; the caller
+    reports the keywords (as llguidance's warning would)."""
     if _LLG_IGNORED_TEXT.search(text) is None:
         return schema, ()
     dropped: set[str] = set()

@@ -265,7 +265,7 @@ def _meta_checker(cls) -> FormatChecker:
     if checker is None:
         checker = FormatChecker(list(cls.FORMAT_CHECKER.checkers))
         checker.checks("regex")(_is_regex)
-        checker = _META_CHECKERS[cls] = checker
+        _META_CHECKERS[cls] = checker
     return checker
 
 
