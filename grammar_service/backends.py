@@ -585,8 +585,10 @@ def llguidance_tokenizer(tokenizer_json: str, n_vocab: int, eos_token_ids: Itera
 # every mask of every instance, the schema's auto backend), the masks themselves unchanged:
 # the first two (identifiers up to 10 characters) took mask p99 1.25 -> 1.05 ms (inside a
 # `^[a-zA-Z0-9_]+$` string, ~89k of 151k tokens allowed, 1.41 -> 0.85 ms); the longer
-# identifiers (18k tokens of 11-30 characters) and the words after a space (35k tokens) took
-# it 0.80 -> 0.47 ms on another machine (masks over 300 us 904 -> 693), compile unchanged.
+# identifiers (18k tokens of 11-30 characters) and the words after a space (35k tokens):
+# masks over 300 us 1,404 -> 1,208 of 62,710, p99 1.04 -> 1.02 ms
+# (`bench/results/mask_tail_corpus_cpu_word_slices_c31d649.txt`; on the corpus walk of the
+# code before, where fewer instances ran to their end, p99 0.83 -> 0.47 ms), build unchanged.
 WORD_SLICES = ("[a-z]{1,10}", "[a-zA-Z0-9_]{1,10}", "[a-zA-Z0-9_]{1,30}",
                " [a-zA-Z0-9_]{1,10}")
 
