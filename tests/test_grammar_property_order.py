@@ -1120,6 +1120,14 @@ def test_what_llguidance_ignores_leaves_the_order_free(backends, encode):
         assert accepts(g, encode, text) == (accepts(own, encode, text) and needs), text
 
 
+def _in_any_order(backends, schema):
+    """`schema` compiled as a rank has it, after checking that CompileGrammar says its
+    properties come in any order."""
+    spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema)))
+    assert "properties in any order" in compile_spec(spec, backends).reason
+    return compiled(backends, schema)
+
+
 def test_the_root_carried_by_an_embedded_node(backends, encode):
     """A node embedded whole that refers to the root carries it under its $defs without the
     root's `$id` (llguidance would resolve the rewritten references against that URL and
@@ -1130,9 +1138,7 @@ def test_the_root_carried_by_an_embedded_node(backends, encode):
                              "kids": {"type": "array", "items": {"$ref": "#"},
                                       "maxItems": 40}},
               "required": ["name"]}
-    spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema)))
-    assert "properties in any order" in compile_spec(spec, backends).reason
-    g = compiled(backends, schema)
+    g = _in_any_order(backends, schema)
     assert accepts(g, encode, '{"size": 1, "name": "a", "kids": [{"name": "b"}]}')
     assert not accepts(g, encode, '{"size": 1, "name": "a", "kids": [{}]}')
     assert not accepts(g, encode, '{"size": 1, "kids": [{"name": "b"}]}')
@@ -1151,9 +1157,7 @@ def test_ids_on_every_node_without_references(backends, encode):
                                        "y": {"$id": "#/properties/b/properties/y",
                                              "type": "array", "maxItems": 40,
                                              "items": {"$id": "#/properties/b/y/items"}}}}}}
-    spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema)))
-    assert "properties in any order" in compile_spec(spec, backends).reason
-    g = compiled(backends, schema)
+    g = _in_any_order(backends, schema)
     assert accepts(g, encode, '{"b": {"y": [1], "x": 2}, "a": "s"}')
     assert not accepts(g, encode, '{"b": {"x": "2"}, "a": "s"}')
     assert not accepts(g, encode, '{"b": {}}')
