@@ -1,10 +1,9 @@
 """The lockstep control channel over a real 2-process gloo group: MAX reduction, and the
 divergence check (I3) reporting exactly the rows whose sampled ids differ between ranks."""
 
-import socket
-
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from procs import free_port
 
 from gpu_worker.control.lockstep import ControlChannel, diverged_rows
 
@@ -24,9 +23,7 @@ def _rank(rank: int, port: int, out):
 
 
 def test_max_reduction_and_divergence_detection_on_both_ranks():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]

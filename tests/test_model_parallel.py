@@ -6,19 +6,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import time
 
 import torch
+from procs import free_port
 
 TIMEOUT_S = 4.0
 SLACK_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, which: str, events, results) -> None:
@@ -51,7 +45,7 @@ def _rank(rank: int, port: int, which: str, events, results) -> None:
 def _collective_after_peer_loss(sig: int, which: str) -> tuple[str, float]:
     ctx = multiprocessing.get_context("spawn")
     events, results = ctx.Event(), [ctx.Queue(), ctx.Queue()]
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, which, events, results[r])) for r in (0, 1)]
     for p in procs:
         p.start()

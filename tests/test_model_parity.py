@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from procs import free_port
 
 # name -> (transformers class name, config kwargs, save kwargs)
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
@@ -140,9 +140,7 @@ def test_model_logits_match_transformers_at_tp1(checkpoints, name):
 
 
 def test_model_logits_match_transformers_and_agree_across_ranks_at_tp2(checkpoints):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     dirs = {name: d for name, (d, _) in checkpoints.items()}
