@@ -130,10 +130,10 @@ _ANNOTATIONS = frozenset({
 })
 # Keywords whose values are data, not schemas (no $ref inside them is a reference).
 _DATA = frozenset({"enum", "const", "default", "examples"})
-# Keywords whose values map names to schemas (a name is never a keyword: a property may be
-# called "examples" or "$ref").
-_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas", "dependencies"})
+# Keys whose values map names (never keywords: a property may be called "examples" or
+# "$ref") to subschemas (`dependencies`: to subschemas or name lists).
+MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                      "dependentSchemas", "dependencies"})
 _OBJECT_KEYWORDS = ("type", "properties", "required", "additionalProperties")
 _OBJECT_SET = frozenset(_OBJECT_KEYWORDS)
 # What `_merge` takes in a node or a branch of its allOf (through references).
@@ -181,6 +181,15 @@ def any_order_grammar(schema, x_guidance: dict, whitespace: str | None,
         return None
 
 
+def requires_keyword(schema: dict) -> str:
+    """The keyword of names requiring others in `schema`'s draft: `dependencies` up to draft
+    7, `dependentRequired` from 2019-09 (the default, as the output check's); the other is
+    no keyword there."""
+    draft = schema.get("$schema")
+    return "dependencies" if isinstance(draft, str) and re.search(r"draft-0[3-7]/", draft) \
+        else "dependentRequired"
+
+
 def whitespace_regex(mode: str, bound: int) -> str | None:
     """The between-token whitespace regex of a whitespace mode ("compact", "bounded" with
     `bound`, "any"), as llguidance's `whitespace_pattern`; None for compact."""
@@ -205,11 +214,7 @@ class _Rewriter:
         self._known: dict[tuple[str, int], tuple[object, object]] = {}  # `_once`
         self._resolved: dict[str, tuple[object, str]] = {}  # $ref -> `resolve`
         self.objects = 0  # object rules written (the rewrite's point)
-        # Names requiring others: `dependencies` up to draft 7, `dependentRequired` from
-        # 2019-09 (the default, as the output check's); the other is no keyword there.
-        draft = schema.get("$schema")
-        self.requires = "dependencies" if isinstance(draft, str) \
-            and re.search(r"draft-0[3-7]/", draft) else "dependentRequired"
+        self.requires = requires_keyword(schema)
         # The keys `embed` adds to every embedded node, as JSON text: ',"$schema":...,'
         # '"x-guidance":{...}'.
         tail = {"x-guidance": x_guidance}
@@ -1136,7 +1141,7 @@ def _refs(node, resolve) -> list[str]:
                         seen.append(value)
                         stack.append((resolve(value)[0], False))
                 elif key not in _DATA:
-                    stack.append((value, key in _MAPS))
+                    stack.append((value, key in MAP_KEYS))
         elif isinstance(current, list):
             stack.extend((value, False) for value in current)
     return seen
@@ -1156,7 +1161,7 @@ def _with_refs(node, names: bool = False):
         if names:
             return {k: _with_refs(v) for k, v in node.items()}
         return {k: (_def_ref(v) if k == "$ref" and isinstance(v, str) and _local(v)
-                    else v if k in _DATA else _with_refs(v, k in _MAPS))
+                    else v if k in _DATA else _with_refs(v, k in MAP_KEYS))
                 for k, v in node.items()}
     if isinstance(node, list):
         return [_with_refs(v) for v in node]

@@ -74,14 +74,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from grammar_service.property_order import of_type, pointer_target
+from grammar_service.property_order import (
+    MAP_KEYS,
+    of_type,
+    pointer_target,
+    requires_keyword,
+)
 
 # Keys whose values are data, not subschemas.
 DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})
-# Keys whose values map names (not keywords) to subschemas (`dependencies`: to subschemas
-# or name lists).
-MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                      "dependentSchemas", "dependencies"})
 # Keywords that say nothing about an instance (beside the one that does, in a `not`).
 _NOTES = frozenset({"title", "description", "$comment", "markdownDescription"})
 _UNESCAPED_CHAR = '[^"\\\\\\x00-\\x1f]'
@@ -160,9 +161,8 @@ def without_ignored(schema: Any, text: str) -> tuple[Any, tuple[str, ...]]:
     if _LLG_IGNORED_TEXT.search(text) is None:
         return schema, ()
     dropped: set[str] = set()
-    # `dependencies` is a keyword up to draft 7 (as the rewrite reads it), an unknown one after.
-    draft = schema.get("$schema") if isinstance(schema, dict) else None
-    lists = isinstance(draft, str) and re.search(r"draft-0[3-7]/", draft) is not None
+    # `dependencies` holds name lists the rewrite states where it is that draft's keyword
+    lists = isinstance(schema, dict) and requires_keyword(schema) == "dependencies"
 
     def drop(node: dict) -> dict:
         found = node.keys() & LLG_IGNORED
