@@ -31,6 +31,10 @@ from bench.schema_verdicts import MODES, VERDICTS, Judge  # noqa: E402
 
 SUITE = Path(__file__).resolve().parent.parent / "tests" / "data" / "json_schema_test_suite"
 DRAFTS = ("draft2020-12", "draft7")
+# The `$schema` of each folder's dialect, given to its schemas that do not name one (the
+# suite leaves it out; a schema without one is read as 2020-12).
+DIALECTS = {"draft2020-12": "https://json-schema.org/draft/2020-12/schema",
+            "draft7": "http://json-schema.org/draft-07/schema#"}
 _SHORT = {"pass": "pass", "valid_rejected": "vr", "invalid_reported": "rep",
           "invalid_silent": "SIL", "refused": "ref"}
 
@@ -69,9 +73,13 @@ def load_cases(suite: Path = SUITE) -> list[Case]:
     for draft in DRAFTS:
         for path in sorted((suite / draft).glob("*.json")):
             for group in json.loads(path.read_text()):
+                schema = group["schema"]
+                if isinstance(schema, dict) and "$schema" not in schema:
+                    # The draft's folder is the schema's dialect: said as a client says it.
+                    schema = {"$schema": DIALECTS[draft], **schema}
                 for test in group["tests"]:
                     cases.append(Case(draft, path.stem, group["description"],
-                                      test["description"], group["schema"], test["data"],
+                                      test["description"], schema, test["data"],
                                       test["valid"]))
     return cases
 

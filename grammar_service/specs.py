@@ -27,6 +27,7 @@ from jsonschema import FormatChecker
 from jsonschema import exceptions as jsonschema_exceptions
 from jsonschema import validators as jsonschema_validators
 
+from grammar_service.refs import local_refs
 from grammar_service.schema_fixes import DATA_KEYS, MAP_KEYS
 from protos import common_pb2
 from protos.rpc import InvalidArgument
@@ -138,7 +139,9 @@ def parse_spec(
     options = _parse_options(spec.options, kind, f"{field}.options")
     if kind == "json_schema":
         schema = _parse_json(spec.json_schema, where, max_spec_bytes)
-        _check_schema(schema, where)
+        if schema is True:  # the schema every value satisfies
+            schema = {}
+        schema = _check_schema(schema, where, spec.json_schema)
         return CanonicalSpec(kind, canonical_json(schema), options)
     if kind == "structural_tag":
         tag = _parse_json(spec.structural_tag, where, max_spec_bytes)
@@ -222,9 +225,15 @@ def _parse_json(text: str, field: str, max_spec_bytes: int):
         raise InvalidArgument("not usable JSON: nested too deeply", field=field) from None
 
 
-def _check_schema(schema, field: str) -> None:
+def _check_schema(schema, field: str, text: str | None = None) -> dict:
+    """`schema` checked against its meta-schema, its references within the document made
+    pointers from its root (grammar_service.refs); raises InvalidArgument naming the
+    field."""
+    if schema is False:
+        raise InvalidArgument("is false, the schema no value satisfies: there is nothing to "
+                              "generate", field=field)
     if not isinstance(schema, dict):
-        raise InvalidArgument("must be a JSON object (a schema)", field=field)
+        raise InvalidArgument("must be a JSON object or true (a schema)", field=field)
     cls = jsonschema_validators.validator_for(
         schema, default=jsonschema_validators.Draft202012Validator)
     try:
@@ -236,12 +245,15 @@ def _check_schema(schema, field: str) -> None:
                               field=field) from None
     except RecursionError:
         raise InvalidArgument("not usable: schema nested too deeply", field=field) from None
+    schema = local_refs(schema, text)
     found = _nonlocal_ref(schema)
     if found is not None:
         ref, path = found
         where = ".".join(reversed(path)) or "(root)"
-        raise InvalidArgument(f"unsupported schema feature at {where}: $ref {ref!r} is not "
-                              "local (only '#/...' references work)", field=field)
+        raise InvalidArgument(f"unsupported schema feature at {where}: $ref {ref!r} names "
+                              "no place in this schema (other documents are not fetched)",
+                              field=field)
+    return schema
 
 
 # The values the meta-schemas (draft 4 to 2020-12) give a `format`, which jsonschema-rs's
@@ -318,12 +330,14 @@ def _meta_valid_fast(schema: dict, cls) -> bool:
 
 
 def _nonlocal_ref(node) -> tuple[str, list[str]] | None:
-    """The first `$ref` that is not local ("#..."), with its path, innermost key first; None
-    when all are (xgrammar cannot fetch others and would ignore them). The path is built only
-    for the one found."""
+    """The first `$ref` that is not a pointer from the root ("#" or "#/..."), with its path,
+    innermost key first; None when all are. Run after `local_refs`, which made every one
+    that names a place in the schema such a pointer: the others name another document (not
+    fetched) or an anchor the schema does not define. The path is built only for the one
+    found."""
     if isinstance(node, dict):
         ref = node.get("$ref")
-        if isinstance(ref, str) and not ref.startswith("#"):
+        if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
             return ref, []
         items = node.items()
     elif isinstance(node, list):

@@ -215,7 +215,13 @@ BAD_SPECS = {
                             "spec.json_schema: not a valid JSON Schema at type"),
     "schema_not_object": (dict(json_schema="[1, 2]"), "spec.json_schema: must be a JSON object"),
     "schema_remote_ref": (dict(json_schema='{"$ref": "https://example.com/s.json"}'),
-                          "spec.json_schema: unsupported schema feature"),
+                          "spec.json_schema: unsupported schema feature at (root): $ref "
+                          "'https://example.com/s.json' names no place in this schema"),
+    "schema_unknown_anchor": (dict(json_schema='{"properties": {"a": {"$ref": "#nope"}}}'),
+                              "spec.json_schema: unsupported schema feature at properties.a: "
+                              "$ref '#nope' names no place"),
+    "schema_false": (dict(json_schema="false"), "spec.json_schema: is false, the schema no "
+                     "value satisfies: there is nothing to generate"),
     "schema_bad_min_length": (dict(json_schema='{"type": "string", "minLength": -1}'),
                               "spec.json_schema: not a valid JSON Schema at minLength"),
     "regex_unclosed": (dict(regex="a(b"), "spec.regex: xgrammar cannot compile it: Regex "
