@@ -20,7 +20,9 @@ with the format checker (gramserve's output check, gateway/validation.py), not t
 it came from; instances jsonschema cannot judge (e.g. a remote $ref) are dropped.
 
 Each schema is compiled in three modes (bench/schema_verdicts.py: gramserve's choice,
-xgrammar forced, llguidance forced), in a worker process with a deadline per compile
+xgrammar forced, llguidance forced), and by llguidance alone as the reference of what
+compiling costs without gramserve (llguidance-raw: its own JSON front end, default options,
+one build; --modes picks columns), in a worker process with a deadline per compile
 (--timeout, the grammar service's own default is 30 s; a compile past it counts as a
 timeout and the worker is restarted), and every instance is fed token by token, each mask
 filled into a one-row bitmask and timed. Printed per mode: schemas passing (compiled, every
@@ -58,7 +60,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.schema_verdicts import MODES  # noqa: E402
+from bench.schema_verdicts import MODES, RAW_LLGUIDANCE  # noqa: E402
+
+# Every column the table can print: gramserve's three paths, then llguidance alone.
+ALL_MODES = (*MODES, RAW_LLGUIDANCE)
 
 # ------------------------------------------------------------------------------ the corpus
 
@@ -227,15 +232,16 @@ class Worker:
         self.proc.join(10)
 
 
-def run_all(corpus: list[dict], model_dir: Path, timeout: float, jobs: int) -> list[list]:
-    """Per schema of `corpus`, in its order: a row per mode of MODES (None: timeout/crash).
+def run_all(corpus: list[dict], model_dir: Path, timeout: float, jobs: int,
+            modes: tuple[str, ...] = ALL_MODES) -> list[list]:
+    """Per schema of `corpus`, in its order: a row per mode of `modes` (None: timeout/crash).
     Each mode runs in worker processes of its own, one mode after another, so that one
     mode's compiles (xgrammar's take seconds and hundreds of MB on some schemas) leave
     nothing behind in the process that times another's; `jobs` workers per mode take
     schemas from a shared queue."""
-    rows: list = [[None] * len(MODES) for _ in corpus]
+    rows: list = [[None] * len(modes) for _ in corpus]
     start = time.perf_counter()
-    for k, mode in enumerate(MODES):
+    for k, mode in enumerate(modes):
         todo: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(len(corpus)):
             todo.put(i)
@@ -340,9 +346,14 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per compile")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--silent", action="store_true", help="list silent acceptances")
+    parser.add_argument("--modes", default=",".join(ALL_MODES),
+                        help=f"columns, comma-separated (default all: {','.join(ALL_MODES)})")
     ns = parser.parse_args(argv)
     if ns.jobs < 1:
         parser.error("--jobs must be at least 1")
+    modes = tuple(m for m in ns.modes.split(",") if m)
+    if not modes or set(modes) - set(ALL_MODES):
+        parser.error(f"--modes: a comma-separated subset of {','.join(ALL_MODES)}")
 
     if ns.corpus is not None:
         commit, corpus = read_corpus(ns.corpus, ns.limit)
@@ -356,10 +367,11 @@ def main(argv=None) -> int:
         return 0
     model = model_dir(ns.tokenizer)
     start = time.perf_counter()
-    results: dict[str, list] = {mode: [] for mode in MODES}
+    results: dict[str, list] = {mode: [] for mode in modes}
     notes = []
-    for entry, rows in zip(corpus, run_all(corpus, model, ns.timeout, ns.jobs), strict=True):
-        for mode, row in zip(MODES, rows, strict=True):
+    for entry, rows in zip(corpus, run_all(corpus, model, ns.timeout, ns.jobs, modes),
+                           strict=True):
+        for mode, row in zip(modes, rows, strict=True):
             results[mode].append(row)
             if row is not None and "invalid_silent" in row["verdicts"]:
                 notes.append(f"silent: {mode} {row['backend']} {entry['name']}")

@@ -7,6 +7,13 @@ real-schema benchmark (bench/grammars.py). Three modes, each the path a request 
     xgrammar     options.backend forced to xgrammar (gramserve's rewrites and report apply)
     llguidance   options.backend forced to llguidance
 
+and one reference that is no path of gramserve's (bench/grammars.py's last column):
+
+    llguidance-raw  llguidance alone, as a library user runs it: its own JSON front end on
+                    the schema with its default options (property order fixed, whitespace
+                    flexible, what it cannot enforce refused), one build in one process;
+                    nothing validated, rewritten or reported by gramserve
+
 A schema is validated (grammar_service.specs.parse_spec), compiled and serialised as the
 grammar service does (choice.compile_spec), read back as a rank does (deserialize +
 new_matcher); an instance is its JSON text, tokenized by the model's tokenizer and fed token
@@ -29,12 +36,20 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from grammar_service.backends import LLGUIDANCE, XGRAMMAR, VocabView, backend_for
+from grammar_service.backends import (
+    LLGUIDANCE,
+    STEP_MAX_ITEMS,
+    XGRAMMAR,
+    LLGuidanceMatcher,
+    VocabView,
+    backend_for,
+)
 from grammar_service.choice import compile_spec
 from grammar_service.specs import parse_spec
 from protos import common_pb2
 
 MODES = ("gramserve", XGRAMMAR, LLGUIDANCE)
+RAW_LLGUIDANCE = "llguidance-raw"
 VERDICTS = ("pass", "valid_rejected", "invalid_reported", "invalid_silent", "refused")
 _FORCED = {"gramserve": common_pb2.GRAMMAR_BACKEND_AUTO,
            XGRAMMAR: common_pb2.GRAMMAR_BACKEND_XGRAMMAR,
@@ -88,6 +103,8 @@ class Judge:
     def build(self, schema, mode: str, **options) -> Build:
         """Compile `schema` (parsed JSON) in `mode`; `options`: GrammarOptions fields
         (e.g. strict=True). Never raises for what a user can send: the error is recorded."""
+        if mode == RAW_LLGUIDANCE:
+            return self._build_raw(schema)
         out = Build(mode)
         text = json.dumps(schema)  # what a client sends: its encoding is not the service's
         start = time.perf_counter()
@@ -106,6 +123,29 @@ class Judge:
         out.grammar = rank.deserialize(compiled.payload)
         out.matcher = rank.new_matcher(out.grammar)
         out.build_s = time.perf_counter() - start
+        return out
+
+    def _build_raw(self, schema) -> Build:
+        """llguidance alone (RAW_LLGUIDANCE): its grammar of the schema and one matcher, with
+        the rank's tokenizer and parser limits; all of it counted as compile_s."""
+        import llguidance
+
+        out = Build(RAW_LLGUIDANCE, backend=LLGUIDANCE)
+        rank = self.ranks[LLGUIDANCE]
+        start = time.perf_counter()
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            template = llguidance.LLMatcher(
+                rank.tokenizer, grammar, log_level=0,
+                limits=llguidance.LLParserLimits(step_max_items=STEP_MAX_ITEMS))
+            if template.is_error():
+                raise ValueError(template.get_error())
+        except ValueError as exc:
+            out.error = f"llguidance: {_first_line(str(exc))}"
+        else:
+            out.matcher = LLGuidanceMatcher(template, frozenset(self.vocab.eos_token_ids),
+                                            self.words)
+        out.compile_s = time.perf_counter() - start
         return out
 
     def accepts(self, build: Build, text: str, mask_times: list[float] | None = None) -> bool:
