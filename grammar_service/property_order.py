@@ -19,7 +19,9 @@ objects to reorder). Where every name present has a bit (`additionalProperties: 
 names may come, only `minProperties: 1` and `maxProperties: 1`, which the rule's shape
 states: no empty object, no comma); names that
 require others (`dependentRequired`, or `dependencies` with name lists up to draft 7) are
-conditions on the closing brace. `patternProperties` are members without a bit whose key is
+conditions on the closing brace, and where the names they speak of are not listed (and may
+come), those names take bits too, their values under `additionalProperties` (an untyped node
+with such a keyword is an object node as one listing properties is). `patternProperties` are members without a bit whose key is
 llguidance's JSON string with the pattern (embedded), where a name a pattern matches takes
 nothing else (`_patterns`: `additionalProperties: false`, no listed name matched, patterns
 apart). The rewrite reaches such objects through local `$ref`s, an `allOf` of one schema
@@ -359,7 +361,8 @@ class _Rewriter:
                 ("array", self.array, "items", _ARRAY_BLOCKERS, _ARRAY_KEYWORDS, _NOT_ARRAY)):
             if kind == shape:
                 return None if keys & blockers else write(pointer, node)
-            if (types is None and marker in node) or (
+            if (types is None and (marker in node or (shape == "object"
+                                                      and self.requires in node))) or (
                     isinstance(types, list) and shape in types and len(types) > 1):
                 # Objects (arrays) or other types (no `type`, or a list holding the shape):
                 # the shape rewritten, the other types embedded with the node's other
@@ -370,7 +373,8 @@ class _Rewriter:
                 if body is None:
                     return None
                 others = [t for t in types or not_shape if t != shape]
-                rest = {k: v for k, v in node.items() if k not in own}
+                rest = {k: v for k, v in node.items() if k not in own
+                        and not (shape == "object" and k in _COUNTED)}
                 return f"{body} | {self.embed({**rest, 'type': others})}"
         return None
 
@@ -528,6 +532,8 @@ class _Rewriter:
         if any(r not in allowed and (r in props or extra is False) for r in required):
             return None  # unsatisfiable: llguidance says so
         names = required + [k for k in allowed if k not in required]
+        if extra is not False:
+            names += _dependency_names(node.get(self.requires), names, props)
         patterns = self._patterns(pointer, node, props, extra)
         if patterns is None:
             return None
@@ -985,6 +991,21 @@ def _union(node: dict, keys) -> tuple[str, object, dict] | None:
         return None
     (word,) = unions
     return word, node[word], {k: v for k, v in node.items() if k in keys and k != word}
+
+
+def _dependency_names(found, names: list[str], listed) -> list[str]:
+    """The names `found` (the node's `dependentRequired`, or name-list `dependencies`) speaks
+    of, that require others or are required by one, beyond the `names` given bits and not
+    `listed` in `properties`: each takes a bit too (its value is what `additionalProperties`
+    allows, as for an unlisted name), so that the closing brace can check them."""
+    if not isinstance(found, dict):
+        return []
+    more: dict[str, None] = {}
+    for key, needed in found.items():
+        if isinstance(needed, list) and needed and all(isinstance(n, str) for n in needed):
+            more.update(dict.fromkeys(n for n in (key, *needed)
+                                      if n not in names and n not in listed))
+    return list(more)
 
 
 def _counted(node: dict, names: list[str], closed: bool, listed, requires: str) -> tuple | None:

@@ -177,8 +177,7 @@ def test_what_the_rewrite_leaves_alone():
                               "additionalProperties": False}, opts, ws) is None
     # objects with constraints beyond the rewrite's stay llguidance's (fixed order)
     for extra in ({"minProperties": 2}, {"patternProperties": {"^x": {}}},
-                  {"allOf": [{"required": ["a"], "minProperties": 1}]},
-                  {"dependentRequired": {"a": ["zz"]}}):
+                  {"allOf": [{"required": ["a"], "minProperties": 1}]}):
         schema = {"type": "object", "properties": {"a": {}, "b": {}}, **extra}
         assert any_order_grammar(schema, opts, ws) is None, extra
     # references the rewrite does not resolve
@@ -680,6 +679,41 @@ def test_counts_and_dependencies_on_the_rules_bits(backends, encode):
     assert checked > 250 and 0.2 < valid_seen / checked < 0.8, (checked, valid_seen)
 
 
+def test_dependencies_on_names_not_listed(backends, encode):
+    """Names that require others, or are required, without a `properties` entry (unlisted
+    names, with additionalProperties' values, or an untyped node with the keyword alone):
+    each takes a bit, so the closing brace checks them, in any order; random schemas and
+    documents of listed and unlisted names, judged like jsonschema."""
+    rng = random.Random(20261207)
+    checked = valid_seen = 0
+    for _ in range(24):
+        listed = rng.sample(["a", "b"], rng.randint(0, 2))
+        node = {"properties": {n: {"type": "integer"} for n in listed}} if listed else {}
+        if listed or rng.random() < 0.5:
+            node["type"] = "object"
+        if rng.random() < 0.5:
+            node["additionalProperties"] = rng.choice([{"type": "integer"}, True])
+        key, *needed = rng.sample(["a", "b", "u", "v", "w"], rng.randint(2, 3))
+        draft7 = rng.random() < 0.5
+        node["dependencies" if draft7 else "dependentRequired"] = {key: needed}
+        schema = {"type": "object", "properties": {"x": node, "y": {"type": "string"}}}
+        if draft7:
+            schema["$schema"] = "http://json-schema.org/draft-07/schema#"
+        text = any_order_grammar(schema, {}, None)
+        assert text is not None and "%json {\"dependen" not in text, (node, text)
+        g = compiled(backends, schema)
+        validator = jsonschema.validators.validator_for(schema)(schema)
+        for size in range(5):
+            for _ in range(3):
+                keys = rng.sample(["a", "b", "u", "v", "w", "z"], size)
+                doc = {"x": dict.fromkeys(keys, 1)}
+                if rng.random() < 0.5:
+                    doc["y"] = "s"
+                checked += 1
+                valid_seen += _agrees(g, encode, validator, json.dumps(doc), node)
+    assert checked > 300 and 0.2 < valid_seen / checked < 0.8, (checked, valid_seen)
+
+
 def test_not_empty_and_at_most_one_where_unlisted_names_may_come(backends, encode):
     """minProperties 1 and maxProperties 1 beside unlisted names (which have no bit): the
     rule's shape states them (no empty object; no comma), listed and unlisted names alike,
@@ -798,8 +832,7 @@ def test_pattern_properties_the_rewrite_leaves_to_llguidance():
 def test_counts_where_unlisted_names_may_come_stay_llguidances():
     for extra in ({"minProperties": 2}, {"maxProperties": 2, "additionalProperties": True},
                   {"maxProperties": 1, "required": ["a", "b"]},
-                  {"dependentRequired": {"a": {"required": ["b"]}}},
-                  {"dependentRequired": {"zz": ["a"]}}):
+                  {"dependentRequired": {"a": {"required": ["b"]}}}):
         schema = {"type": "object", "properties": {"x": {
             "type": "object", "properties": {"a": {}, "b": {}}, **extra},
             "y": {"type": "object", "properties": {"p": {}, "q": {}}}}}
