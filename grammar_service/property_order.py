@@ -19,9 +19,12 @@ objects to reorder). Where every name present has a bit (`additionalProperties: 
 names may come, only `minProperties: 1` and `maxProperties: 1`, which the rule's shape
 states: no empty object, no comma); names that
 require others (`dependentRequired`, or `dependencies` with name lists up to draft 7) are
-conditions on the closing brace, and where the names they speak of are not listed (and may
-come), those names take bits too, their values under `additionalProperties` (an untyped node
-with such a keyword is an object node as one listing properties is). `patternProperties` are members without a bit whose key is
+conditions on the closing brace, and so are names that exclude others (a dependency whose
+schema says only that names are absent, `excluded_names`: mutually exclusive properties, in
+`dependencies` up to draft 7, `dependentSchemas` after); where the names they speak of are
+not listed (and may come), those names take bits too, their values under
+`additionalProperties` (an untyped node with such a keyword is an object node as one
+listing properties is). `patternProperties` are members without a bit whose key is
 llguidance's JSON string with the pattern (embedded), where a name a pattern matches takes
 nothing else (`_patterns`: `additionalProperties: false`, no listed name matched, patterns
 apart). The rewrite reaches such objects through local `$ref`s, an `allOf` of one schema
@@ -99,12 +102,13 @@ MIN_BUDGET = 64 * 1024
 
 # Object keywords the parametric rule states with conditions on its bits (`object`): counts
 # of properties and names that require others, where every name present has a bit.
-_COUNTED = frozenset({"minProperties", "maxProperties", "dependencies", "dependentRequired"})
+_COUNTED = frozenset({"minProperties", "maxProperties", "dependencies", "dependentRequired",
+                      "dependentSchemas"})
 # Keywords that make a node more than the rewrite states (an object node, an anyOf node, a
 # $ref node or an array node keeps only its own). Keywords of other types on a typed node
 # do not apply to it and are ignored, as JSON Schema says.
 _OBJECT_BLOCKERS = frozenset({
-    "enum", "const", "propertyNames", "dependentSchemas",
+    "enum", "const", "propertyNames",
     "unevaluatedProperties",
     "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
     "$recursiveRef", "extends", "disallow",
@@ -533,7 +537,7 @@ class _Rewriter:
             return None  # unsatisfiable: llguidance says so
         names = required + [k for k in allowed if k not in required]
         if extra is not False:
-            names += _dependency_names(node.get(self.requires), names, props)
+            names += _dependency_names(node, self.requires, names, props)
         patterns = self._patterns(pointer, node, props, extra)
         if patterns is None:
             return None
@@ -544,7 +548,7 @@ class _Rewriter:
         counted = _counted(node, names, closed, props, self.requires)
         if counted is None:
             return None
-        low, high, needs = counted
+        low, high, deps = counted
         name = self.names[pointer]
         m, rest = f"{name}_m", f"{name}_r"
         # Closing: every required name there, at least `low` names (one is the rule's shape:
@@ -552,8 +556,8 @@ class _Rewriter:
         bits = {key: bit for bit, key in enumerate(names)}
         ends = ([f"is_ones([0:{len(required)}])"] if required else []) \
             + ([f"bit_count_ge([0:{len(names)}], {low})"] if low > 1 else []) \
-            + [_all(f"bit_set({bits[n]})" for n in needed).join(
-                (f"or(bit_clear({bits[key]}), ", ")")) for key, needed in needs.items()]
+            + [_all(f"bit_{'set' if present else 'clear'}({bits[n]})" for n in others).join(
+                (f"or(bit_clear({bits[key]}), ", ")")) for key, others, present in deps]
         done = f" %if {_all(ends)}" if ends else ""
         if closed:  # a comma only while a name is left, and below `high` names
             more = f" %if not(is_ones([0:{len(names)}]))" if high is None \
@@ -993,27 +997,99 @@ def _union(node: dict, keys) -> tuple[str, object, dict] | None:
     return word, node[word], {k: v for k, v in node.items() if k in keys and k != word}
 
 
-def _dependency_names(found, names: list[str], listed) -> list[str]:
-    """The names `found` (the node's `dependentRequired`, or name-list `dependencies`) speaks
-    of, that require others or are required by one, beyond the `names` given bits and not
-    `listed` in `properties`: each takes a bit too (its value is what `additionalProperties`
-    allows, as for an unlisted name), so that the closing brace can check them."""
-    if not isinstance(found, dict):
-        return []
+def absent_names(node) -> list[str] | None:
+    """The names of a `not` that says "an object without these": `{"required": [name]}`,
+    or an `anyOf` of such (each name alone), else None."""
+    if not isinstance(node, dict):
+        return None
+    branches = node.get("anyOf") if node.keys() & _ASSERTIONS == {"anyOf"} else [node]
+    if not isinstance(branches, list) or not branches:
+        return None
+    names = []
+    for branch in branches:
+        required = branch.get("required") if isinstance(branch, dict) \
+            and branch.keys() & _ASSERTIONS == {"required"} else None
+        if not (isinstance(required, list) and len(required) == 1
+                and isinstance(required[0], str)):
+            return None
+        names.append(required[0])
+    return names
+
+
+def excluded_names(node) -> list[str] | None:
+    """The names a dependency's schema (applied to an object that has the dependency's
+    name) says are absent, where it says nothing else: `not` of `absent_names`' forms,
+    `properties` that are all `false` (what schema_fixes makes of such a `not`), `type:
+    object`, and an `allOf` of such; None for any other schema."""
+    if not isinstance(node, dict):
+        return None
+    keys = node.keys() & _ASSERTIONS
+    names: dict[str, None] = {}
+    for key in keys:
+        value = node[key]
+        if key == "type" and value == "object":
+            continue
+        if key == "not":
+            found = absent_names(value)
+        elif key == "properties":
+            found = list(value) if isinstance(value, dict) and value \
+                and all(v is False for v in value.values()) else None
+        elif key == "allOf" and isinstance(value, list) and value:
+            found = []
+            for branch in value:
+                sub = excluded_names(branch)
+                found = None if sub is None or found is None else found + sub
+        else:
+            found = None
+        if found is None:
+            return None
+        names.update(dict.fromkeys(found))
+    return list(names) or None
+
+
+def _dependencies(node: dict, requires: str) -> list[tuple[str, list[str], bool]] | None:
+    """A node's dependencies as (name, names, present): the names `name` requires
+    (`requires`' name lists), or those it says are absent (schemas of `excluded_names`' forms
+    in `dependencies` up to draft 7, `dependentSchemas` after); None where one is any other
+    schema or malformed."""
+    out = []
+    keywords = [requires] + (["dependentSchemas"] if requires == "dependentRequired" else [])
+    for keyword in keywords:
+        found = node.get(keyword, {})
+        if not isinstance(found, dict):
+            return None
+        for key, value in found.items():
+            if isinstance(value, list) and all(isinstance(n, str) for n in value) \
+                    and keyword == requires:
+                out.append((key, value, True))
+            elif (names := excluded_names(value)) is not None:
+                out.append((key, names, False))
+            else:
+                return None
+    return out
+
+
+def _dependency_names(node: dict, requires: str, names: list[str], listed) -> list[str]:
+    """The names the node's dependencies (`_dependencies`) speak of, beyond the `names`
+    given bits and not `listed` in `properties`: each takes a bit too (its value is what
+    `additionalProperties` allows, as for an unlisted name), so that the closing brace can
+    check them."""
     more: dict[str, None] = {}
-    for key, needed in found.items():
-        if isinstance(needed, list) and needed and all(isinstance(n, str) for n in needed):
-            more.update(dict.fromkeys(n for n in (key, *needed)
+    for key, others, _ in _dependencies(node, requires) or ():
+        if others:
+            more.update(dict.fromkeys(n for n in (key, *others)
                                       if n not in names and n not in listed))
     return list(more)
 
 
 def _counted(node: dict, names: list[str], closed: bool, listed, requires: str) -> tuple | None:
-    """(minProperties, maxProperties or None, {name: the names it requires, by the keyword
-    `requires`}) of an object node whose listed `names` each have a bit; None when they
+    """(minProperties, maxProperties or None, [(name, the names it requires or excludes,
+    whether required)]) of an object node whose listed `names` each have a bit (the
+    dependencies of `_dependencies`, each with only names that may be there); None when they
     cannot be stated: counts where unlisted names may come (they have no bit) but "not
     empty" and "at most one" (the rule's shape states those), a name required by another
-    that has no bit, a dependency that is a schema, more names required than allowed."""
+    that has no bit, a dependency that is another schema, more names required than
+    allowed."""
     low, high = node.get("minProperties", 0), node.get("maxProperties")
     if not (_count(low) and (high is None or _count(high))) or (high is not None and high < 1):
         return None
@@ -1023,18 +1099,28 @@ def _counted(node: dict, names: list[str], closed: bool, listed, requires: str) 
         return None
     if high is not None and len(set(node.get("required", ()))) > high:
         return None  # unsatisfiable: llguidance says so
-    needs: dict[str, list[str]] = {}
-    found = node.get(requires, {})
-    if not isinstance(found, dict):
+    found = _dependencies(node, requires)
+    if found is None:
         return None
-    for key, needed in found.items():
-        if not (isinstance(needed, list) and all(n in names for n in needed)):
-            return None  # a schema, or a name that cannot be there or be counted
-        if key in names and needed:
-            needs[key] = needed
-        elif key not in names and not closed and key not in listed:
-            return None  # it may come unlisted, without a bit
-    return low, high, needs
+
+    def never(name: str) -> bool:  # never there: a name without a bit that cannot come
+        return closed or name in listed
+
+    deps = []
+    for key, others, present in found:
+        if key not in names:
+            if not never(key):
+                return None  # it may come unlisted, without a bit
+            continue
+        if present and not all(n in names for n in others):
+            return None  # a name that cannot be there or be counted
+        if not present:
+            if any(n not in names and not never(n) for n in others):
+                return None
+            others = [n for n in others if n in names]
+        if others:
+            deps.append((key, others, present))
+    return low, high, deps
 
 
 def _may_match(pattern: str, name: str) -> bool:

@@ -76,6 +76,8 @@ from typing import Any
 
 from grammar_service.property_order import (
     MAP_KEYS,
+    absent_names,
+    excluded_names,
     of_type,
     pointer_target,
     requires_keyword,
@@ -153,9 +155,11 @@ _LLG_IGNORED_TEXT = re.compile(
 
 def without_ignored(schema: Any, text: str) -> tuple[Any, tuple[str, ...]]:
     """(`schema` without what llguidance's lenient compile ignores, the keywords left out):
-    every `LLG_IGNORED` keyword of every subschema, and `dependencies` (up to draft 7 only
-    its schema entries: its name lists stay, and the rewrite states them). `text`: the
-    schema's JSON, which spares the walk (and the copy) when no such keyword is in it.
+    every `LLG_IGNORED` keyword of every subschema, and `dependencies`, but the dependencies
+    the rewrite states: up to draft 7 the name lists of `dependencies` and its schemas that
+    say names are absent (`excluded_names`), after it such schemas of `dependentSchemas`.
+    `text`: the schema's JSON, which spares the walk (and the copy) when no such keyword is
+    in it.
     Compiled leniently the result enforces what `schema` does on llguidance; the caller
     reports the keywords (as llguidance's warning would)."""
     if _LLG_IGNORED_TEXT.search(text) is None:
@@ -165,20 +169,28 @@ def without_ignored(schema: Any, text: str) -> tuple[Any, tuple[str, ...]]:
     lists = isinstance(schema, dict) and requires_keyword(schema) == "dependencies"
 
     def drop(node: dict) -> dict:
-        found = node.keys() & LLG_IGNORED
-        for key in found:
-            del node[key]
-        dropped.update(found)
-        deps = node.get("dependencies")
-        if isinstance(deps, dict) and (not lists or any(not isinstance(v, list)
-                                                         for v in deps.values())):
-            dropped.add("dependencies")
-            kept = {k: v for k, v in deps.items() if lists and isinstance(v, list)}
-            if kept:
-                node["dependencies"] = kept
+        for key in node.keys() & LLG_IGNORED:
+            if key == "dependentSchemas" and not lists:
+                keep(node, key, lambda v: excluded_names(v) is not None)
             else:
-                del node["dependencies"]
+                del node[key]
+                dropped.add(key)
+        if "dependencies" in node:
+            keep(node, "dependencies", lambda v: lists and (
+                isinstance(v, list) or excluded_names(v) is not None))
         return node
+
+    def keep(node: dict, key: str, stated) -> None:
+        # The entries the rewrite states (name lists, names excluded) stay; others go.
+        entries = node[key]
+        kept = {k: v for k, v in entries.items() if stated(v)} \
+            if isinstance(entries, dict) else {}
+        if kept != entries:
+            dropped.add(key)
+        if kept:
+            node[key] = kept
+        else:
+            del node[key]
 
     out = _map(schema, drop)
     return out, tuple(sorted(dropped))
@@ -259,32 +271,13 @@ def _format_node(node: dict) -> dict:
 
 
 def _absent_node(node: dict) -> dict:
-    names = _absent_names(node.get("not"))
+    names = absent_names(node.get("not"))
     if names is None:
         return node
     del node["not"]
     all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
     node["allOf"] = [*all_of, {"type": "object", "properties": dict.fromkeys(names, False)}]
     return node
-
-
-def _absent_names(node) -> list[str] | None:
-    """The names of a `not` that says "an object without these": `{"required": [name]}`,
-    or an `anyOf` of such (each name alone), else None."""
-    if not isinstance(node, dict):
-        return None
-    branches = node.get("anyOf") if node.keys() - _NOTES == {"anyOf"} else [node]
-    if not isinstance(branches, list) or not branches:
-        return None
-    names = []
-    for branch in branches:
-        required = branch.get("required") if isinstance(branch, dict) \
-            and branch.keys() - _NOTES == {"required"} else None
-        if not (isinstance(required, list) and len(required) == 1
-                and isinstance(required[0], str)):
-            return None
-        names.append(required[0])
-    return names
 
 
 def _conditional_node(node: dict, root: Any) -> dict:
