@@ -57,7 +57,8 @@ node takes along every target its `$ref`s reach (a definition, the root, any nod
 `$defs`, its references rewritten to them.
 
 What stays fixed: objects inside embedded nodes (under an `allOf` with other keywords, a
-`oneOf` not shown apart, `not`, `if`, or next to other `patternProperties`, `propertyNames`,
+`oneOf` not shown apart, `not`, `if`, or next to other `patternProperties`, a
+`propertyNames` beside listed names (on a map, one of string keywords is its keys' schema),
 `min/maxProperties` above 1 where unlisted names may come, schema `dependencies`, ..., or with
 more than 64 listed properties). `None`
 (the caller compiles the schema as it is) when no object would change, when the schema uses
@@ -108,7 +109,7 @@ _COUNTED = frozenset({"minProperties", "maxProperties", "dependencies", "depende
 # $ref node or an array node keeps only its own). Keywords of other types on a typed node
 # do not apply to it and are ignored, as JSON Schema says.
 _OBJECT_BLOCKERS = frozenset({
-    "enum", "const", "propertyNames",
+    "enum", "const",
     "unevaluatedProperties",
     "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
     "$recursiveRef", "extends", "disallow",
@@ -122,6 +123,7 @@ _ARRAY_BLOCKERS = frozenset({
 # else is exactly that union or that reference).
 _ASSERTIONS = _OBJECT_BLOCKERS | _ARRAY_BLOCKERS | _COUNTED | frozenset({
     "type", "properties", "required", "additionalProperties", "patternProperties", "items",
+    "propertyNames",
     "minItems",
     "maxItems", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
     "maxLength", "minLength", "pattern", "format", "contentEncoding", "contentMediaType",
@@ -365,8 +367,8 @@ class _Rewriter:
                 ("array", self.array, "items", _ARRAY_BLOCKERS, _ARRAY_KEYWORDS, _NOT_ARRAY)):
             if kind == shape:
                 return None if keys & blockers else write(pointer, node)
-            if (types is None and (marker in node or (shape == "object"
-                                                      and self.requires in node))) or (
+            if (types is None and (marker in node or (shape == "object" and (
+                    self.requires in node or "propertyNames" in node)))) or (
                     isinstance(types, list) and shape in types and len(types) > 1):
                 # Objects (arrays) or other types (no `type`, or a list holding the shape):
                 # the shape rewritten, the other types embedded with the node's other
@@ -377,8 +379,8 @@ class _Rewriter:
                 if body is None:
                     return None
                 others = [t for t in types or not_shape if t != shape]
-                rest = {k: v for k, v in node.items() if k not in own
-                        and not (shape == "object" and k in _COUNTED)}
+                rest = {k: v for k, v in node.items() if k not in own and not (
+                    shape == "object" and (k in _COUNTED or k == "propertyNames"))}
                 return f"{body} | {self.embed({**rest, 'type': others})}"
         return None
 
@@ -543,6 +545,11 @@ class _Rewriter:
             return None
         if len(names) > MAX_PROPERTIES or (not names and not patterns and extra is False):
             return None
+        # A `propertyNames` that says something: stated as the key of an object whose every
+        # name is unlisted (a map); a listed name would have to be checked against it.
+        keys = stated_key_schema(node)
+        if keys is None:
+            return None
         # Names without a bit may come: unlisted ones, or ones a pattern matches.
         closed = extra is False and not patterns
         counted = _counted(node, names, closed, props, self.requires)
@@ -583,11 +590,12 @@ class _Rewriter:
                      if isinstance(extra, dict) else self.embed(True))
             # not a listed name, nor one listed as `false` (that name is never allowed)
             listed = names + [k for k in props if k not in allowed]
-            # (with no name listed, any JSON string, escapes and all)
-            unlisted = self.terminal(f"/{_KEY}/ & ~/{_names_regex(listed)}/" if listed
-                                     else _LEAVES["string"])
+            # (with no name listed, any JSON string, escapes and all, or the names
+            # `propertyNames` allows)
+            unlisted = self.embed({"type": "string", **keys}) if keys else self.terminal(
+                f"/{_KEY}/ & ~/{_names_regex(listed)}/" if listed else _LEAVES["string"])
             members.append(f'{unlisted} ":" {value}' + ("" if bare else f" {rest}::_"))
-            if not names and not self._is_rule(value):
+            if not names and not keys and not self._is_rule(value):
                 return None  # a map of values with nothing to order: embedded whole
         elif len(names) == 1 and not patterns and not self._is_rule(value):
             return None  # one property, nothing to order inside or out: embedded whole
@@ -995,6 +1003,38 @@ def _union(node: dict, keys) -> tuple[str, object, dict] | None:
         return None
     (word,) = unions
     return word, node[word], {k: v for k, v in node.items() if k in keys and k != word}
+
+
+# The keywords of a `propertyNames` schema the rewrite states (on the names' strings).
+_KEY_KEYWORDS = frozenset({"type", "pattern", "minLength", "maxLength", "format", "enum",
+                           "const"})
+
+
+def stated_key_schema(node: dict) -> dict | None:
+    """The string keywords of the object node's `propertyNames` that the rewrite states (on
+    the keys of a map: no name listed, required, matched by a pattern or spoken of by a
+    dependency), {} where it says nothing; None where it says something the rewrite does not
+    state (the node is embedded, its `propertyNames` llguidance's: ignored, reported)."""
+    keys = key_schema(node.get("propertyNames", True))
+    if keys and any(node.get(k) for k in ("properties", "required", "patternProperties",
+                                          "dependencies", "dependentRequired",
+                                          "dependentSchemas")):
+        return None
+    return keys
+
+
+def key_schema(node) -> dict | None:
+    """What a `propertyNames` schema says of names, as string keywords: {} where it says
+    nothing (`true`, `{}`, `{"type": "string"}`: names are strings), None where it is any
+    other schema (`false`, an `anyOf`, ...)."""
+    if node is True:
+        return {}
+    if not isinstance(node, dict):
+        return None
+    keys = node.keys() & _ASSERTIONS
+    if not keys <= _KEY_KEYWORDS or node.get("type", "string") != "string":
+        return None
+    return {k: node[k] for k in keys if k != "type"}
 
 
 def absent_names(node) -> list[str] | None:

@@ -34,6 +34,10 @@ such a `not` is exactly "an object where these names are never there": the node'
 gets `{"type": "object", "properties": {"a": false, ...}}` in its place, which llguidance
 enforces (and the any-order rewrite reads as object keywords).
 
+llguidance, names that are strings (`fix_schema_llguidance`): a `propertyNames` that says
+only that names are strings (`{"type": "string"}`, as schema generators write for every map)
+says nothing, and is left out rather than reported unenforced.
+
 llguidance, a union on one name written with `if` (`fix_schema_llguidance`): llguidance
 does not implement `if` / `then` / `else`. Where the node is an object that requires a name
 and `if` says only that the name's value is among some scalars (`{"properties": {"p":
@@ -81,6 +85,7 @@ from grammar_service.property_order import (
     of_type,
     pointer_target,
     requires_keyword,
+    stated_key_schema,
 )
 
 # Keys whose values are data, not subschemas.
@@ -117,6 +122,7 @@ _LLG_FIX_TEXT = re.compile(
     rf'|"format"\s*:\s*"(?:{"|".join(FORMAT_PATTERNS)})"'
     r'|"not"\s*:\s*\{\s*"(?:required|anyOf)"'
     r'|"if"\s*:\s*\{'
+    r'|"propertyNames"\s*:\s*(?:true|\{\s*\}|\{\s*"type"\s*:\s*"string"\s*\})'
     r'|"\^[^"]*\$"\s*:')  # a name that is an anchored regex: a patternProperties key
 
 
@@ -130,8 +136,8 @@ def fix_schema_llguidance(schema: Any) -> Any:
     """A copy of `schema` with the llguidance rewrites (integral bounds, names written as
     patterns, exact date and time formats, names never there, unions written with `if`)
     applied at every depth (no state changed)."""
-    return _map(schema, lambda node: _conditional_node(
-        _absent_node(_format_node(_named_patterns_node(_integral_node(node)))), schema))
+    return _map(schema, lambda node: _conditional_node(_absent_node(_format_node(
+        _named_patterns_node(_integral_node(_names_node(node))))), schema))
 
 
 def llguidance_fix_applies(text: str) -> bool:
@@ -155,9 +161,10 @@ _LLG_IGNORED_TEXT = re.compile(
 
 def without_ignored(schema: Any, text: str) -> tuple[Any, tuple[str, ...]]:
     """(`schema` without what llguidance's lenient compile ignores, the keywords left out):
-    every `LLG_IGNORED` keyword of every subschema, and `dependencies`, but the dependencies
-    the rewrite states: up to draft 7 the name lists of `dependencies` and its schemas that
-    say names are absent (`excluded_names`), after it such schemas of `dependentSchemas`.
+    every `LLG_IGNORED` keyword of every subschema, and `dependencies`, but what the rewrite
+    states: up to draft 7 the name lists of `dependencies` and its schemas that say names are
+    absent (`excluded_names`), after it such schemas of `dependentSchemas`; a
+    `propertyNames` of string keywords (`key_schema`).
     `text`: the schema's JSON, which spares the walk (and the copy) when no such keyword is
     in it.
     Compiled leniently the result enforces what `schema` does on llguidance; the caller
@@ -172,6 +179,8 @@ def without_ignored(schema: Any, text: str) -> tuple[Any, tuple[str, ...]]:
         for key in node.keys() & LLG_IGNORED:
             if key == "dependentSchemas" and not lists:
                 keep(node, key, lambda v: excluded_names(v) is not None)
+            elif key == "propertyNames" and stated_key_schema(node):
+                pass  # the names' string keywords: the rewrite states them on a map's keys
             else:
                 del node[key]
                 dropped.add(key)
@@ -267,6 +276,14 @@ def _format_node(node: dict) -> dict:
     else:
         all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
         node["allOf"] = [*all_of, {"pattern": pattern}]
+    return node
+
+
+def _names_node(node: dict) -> dict:
+    """A `propertyNames` that says nothing (names are strings: `{"type": "string"}`, `{}`,
+    `true`) left out: llguidance would report it unenforced."""
+    if node.get("propertyNames") in (True, {}, {"type": "string"}):
+        del node["propertyNames"]
     return node
 
 

@@ -759,6 +759,41 @@ def test_dependencies_that_exclude_names(backends, encode):
     assert checked > 300 and 0.2 < valid_seen / checked < 0.8, (checked, valid_seen)
 
 
+@pytest.mark.parametrize("names", [
+    {"pattern": "^[a-z][a-z0-9_]*$"}, {"minLength": 2, "maxLength": 3},
+    {"type": "string", "enum": ["ab", "c", "d\"e"]}, {"pattern": "^x-", "maxLength": 4},
+])
+def test_property_names_of_a_map(backends, encode, names):
+    """`propertyNames` of string keywords on a map (no listed name): the keys are strings
+    that schema allows, enforced (nothing reported), judged like jsonschema; an untyped
+    node too. A `propertyNames` that says only that names are strings is no keyword."""
+    keys = ["ab", "c", "d\"e", "x-1", "x-long", "A1", "a_1", "abc", "9z", "é"]
+    for node in ({"type": "object", "propertyNames": names,
+                  "additionalProperties": {"type": "integer"}}, {"propertyNames": names}):
+        schema = {"type": "object", "properties": {"m": node}}
+        spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema)))
+        result = compile_spec(spec, backends)
+        assert result.backend == LLGUIDANCE and result.unenforced == (), (node, result.reason)
+        g = compiled(backends, schema, common_pb2.GRAMMAR_BACKEND_AUTO)
+        validator = jsonschema.Draft202012Validator(schema)
+        valid_seen = 0
+        for key in keys:
+            for other in ("ab", "x-1"):
+                doc = {"m": {key: 1, other: 2}}
+                valid_seen += _agrees(g, encode, validator, json.dumps(doc), node)
+        assert 0 < valid_seen < 2 * len(keys), (node, valid_seen)
+
+
+def test_property_names_that_say_names_are_strings_are_no_keyword(backends):
+    schema = {"type": "object", "properties": {"env": {
+        "type": "object", "propertyNames": {"type": "string"},
+        "additionalProperties": {"type": "string"}}}}
+    spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema)))
+    result = compile_spec(spec, backends)
+    # (not handed to xgrammar, which fixes the order, for a keyword that says nothing)
+    assert result.backend == LLGUIDANCE and result.unenforced == (), result.reason
+
+
 def test_not_empty_and_at_most_one_where_unlisted_names_may_come(backends, encode):
     """minProperties 1 and maxProperties 1 beside unlisted names (which have no bit): the
     rule's shape states them (no empty object; no comma), listed and unlisted names alike,
