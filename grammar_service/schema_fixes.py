@@ -38,6 +38,9 @@ llguidance, names that are strings (`fix_schema_llguidance`): a `propertyNames` 
 only that names are strings (`{"type": "string"}`, as schema generators write for every map)
 says nothing, and is left out rather than reported unenforced.
 
+llguidance, other types (`fix_schema_llguidance`): a `not` of types alone (`{"not":
+{"type": "null"}}`) is the other types, the node's own `type` narrowed to them.
+
 llguidance, a union on one name written with `if` (`fix_schema_llguidance`): llguidance
 does not implement `if` / `then` / `else`. Where the node is an object that requires a name
 and `if` says only that the name's value is among some scalars (`{"properties": {"p":
@@ -120,7 +123,7 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _LLG_FIX_TEXT = re.compile(
     rf'"(?:{"|".join(_COUNTS)})"\s*:\s*-?[0-9]+[.eE]'
     rf'|"format"\s*:\s*"(?:{"|".join(FORMAT_PATTERNS)})"'
-    r'|"not"\s*:\s*\{\s*"(?:required|anyOf)"'
+    r'|"not"\s*:\s*\{\s*"(?:required|anyOf|type)"'
     r'|"if"\s*:\s*\{'
     r'|"propertyNames"\s*:\s*(?:true|\{\s*\}|\{\s*"type"\s*:\s*"string"\s*\})'
     r'|"\^[^"]*\$"\s*:')  # a name that is an anchored regex: a patternProperties key
@@ -136,8 +139,8 @@ def fix_schema_llguidance(schema: Any) -> Any:
     """A copy of `schema` with the llguidance rewrites (integral bounds, names written as
     patterns, exact date and time formats, names never there, unions written with `if`)
     applied at every depth (no state changed)."""
-    return _map(schema, lambda node: _conditional_node(_absent_node(_format_node(
-        _named_patterns_node(_integral_node(_names_node(node))))), schema))
+    return _map(schema, lambda node: _conditional_node(_absent_node(_not_type_node(
+        _format_node(_named_patterns_node(_integral_node(_names_node(node)))))), schema))
 
 
 def llguidance_fix_applies(text: str) -> bool:
@@ -284,6 +287,36 @@ def _names_node(node: dict) -> dict:
     `true`) left out: llguidance would report it unenforced."""
     if node.get("propertyNames") in (True, {}, {"type": "string"}):
         del node["propertyNames"]
+    return node
+
+
+# The JSON types that together hold every value (integers are numbers).
+_ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
+
+
+def _not_type_node(node: dict) -> dict:
+    """A `not` of types alone becomes the other types (`{"not": {"type": "null"}}`: any
+    non-null value), the node's own `type` narrowed to them; left where the complement is
+    no list of types (integers without the other numbers: `not` of `integer` alone) or
+    nothing remains."""
+    sub = node.get("not")
+    if not (isinstance(sub, dict) and sub.keys() - _NOTES == {"type"}):
+        return node
+    types = [sub["type"]] if isinstance(sub["type"], str) else sub["type"]
+    if not (isinstance(types, list) and types
+            and all(t in _ALL_TYPES or t == "integer" for t in types)) \
+            or ("integer" in types and "number" not in types):
+        return node
+    rest = [t for t in _ALL_TYPES if t not in types]
+    own = node.get("type", rest)
+    own = [own] if isinstance(own, str) else own
+    if not isinstance(own, list):
+        return node
+    kept = [t for t in own if t in rest or (t == "integer" and "number" in rest)]
+    if not kept:
+        return node  # nothing is left: llguidance says so
+    del node["not"]
+    node["type"] = kept[0] if len(kept) == 1 else kept
     return node
 
 
