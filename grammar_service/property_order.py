@@ -1038,8 +1038,9 @@ def key_schema(node) -> dict | None:
 
 
 def absent_names(node) -> list[str] | None:
-    """The names of a `not` that says "an object without these": `{"required": [name]}`,
-    or an `anyOf` of such (each name alone), else None."""
+    """The names of a `not` that says "an object without these": `{"required": [name]}`
+    (beside `properties` that say nothing of values), or an `anyOf` of such (each name
+    alone), else None."""
     if not isinstance(node, dict):
         return None
     branches = node.get("anyOf") if node.keys() & _ASSERTIONS == {"anyOf"} else [node]
@@ -1047,8 +1048,12 @@ def absent_names(node) -> list[str] | None:
         return None
     names = []
     for branch in branches:
-        required = branch.get("required") if isinstance(branch, dict) \
-            and branch.keys() & _ASSERTIONS == {"required"} else None
+        # (a `properties` of schemas every value matches says nothing: `{"a": {}}`)
+        required = branch.get("required") if isinstance(branch, dict) and (
+            branch.keys() & _ASSERTIONS == {"required"}
+            or (branch.keys() & _ASSERTIONS == {"required", "properties"}
+                and isinstance(branch["properties"], dict)
+                and all(v in ({}, True) for v in branch["properties"].values()))) else None
         if not (isinstance(required, list) and len(required) == 1
                 and isinstance(required[0], str)):
             return None

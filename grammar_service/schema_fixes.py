@@ -123,7 +123,7 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _LLG_FIX_TEXT = re.compile(
     rf'"(?:{"|".join(_COUNTS)})"\s*:\s*-?[0-9]+[.eE]'
     rf'|"format"\s*:\s*"(?:{"|".join(FORMAT_PATTERNS)})"'
-    r'|"not"\s*:\s*\{\s*"(?:required|anyOf|type)"'
+    r'|"not"\s*:\s*\{\s*"(?:required|anyOf|type|properties)"'
     r'|"if"\s*:\s*\{'
     r'|"propertyNames"\s*:\s*(?:true|\{\s*\}|\{\s*"type"\s*:\s*"string"\s*\})'
     r'|"\^[^"]*\$"\s*:')  # a name that is an anchored regex: a patternProperties key

@@ -131,12 +131,16 @@ def test_a_not_that_says_names_are_absent_becomes_those_names_forbidden_on_an_ob
            "allOf": [{"type": "object"}]}
     assert fix_schema_llguidance(two) == {"allOf": [
         {"type": "object"}, {"type": "object", "properties": {"a": False, "b": False}}]}
+    three = {"not": {"properties": {"a": {}}, "required": ["a"]}}  # (as SchemaStore writes)
+    assert fix_schema_llguidance(three) == {"allOf": [
+        {"type": "object", "properties": {"a": False}}]}
     for kept in ({"not": {"required": ["a", "b"]}}, {"not": {"type": "integer"}},
+                 {"not": {"properties": {"a": {"type": "string"}}, "required": ["a"]}},
                  {"not": {"required": ["a"], "minProperties": 2}}):
         assert fix_schema_llguidance(kept) == kept
     backends = VocabView.of(load_vocab(ensure_default_model())).backends()
     tok = tokenizers.Tokenizer.from_str(load_vocab(ensure_default_model()).tokenizer_json())
-    for schema in (one, two):
+    for schema in (one, two, three):
         validator = jsonschema.Draft202012Validator(schema)
         # llguidance's own JSON compile of the fixed schema (the schema's order)
         spec = parse_spec(common_pb2.GrammarSpec(json_schema=json.dumps(schema), options=(
