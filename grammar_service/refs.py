@@ -23,11 +23,8 @@ from __future__ import annotations
 import re
 from urllib.parse import quote, urldefrag, urljoin, urlsplit
 
-# The keywords whose values are data, never subschemas (their "$ref" or "$id" is a value),
-# and those whose values map names to subschemas (a property may be called "enum").
-_DATA = frozenset({"enum", "const", "default", "examples", "example"})
-_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas", "dependencies"})
+from grammar_service.schema_fixes import DATA_KEYS, MAP_KEYS
+
 # A base for documents without a root `$id` (relative references resolve against it).
 _DOCUMENT = "https://gramserve.invalid/schema.json"
 _PLAIN_NAME = re.compile(r"#[A-Za-z][-A-Za-z0-9.:_]*")
@@ -64,7 +61,7 @@ def local_refs(schema, text: str | None = None):
             continue
         if not isinstance(node, dict):
             continue
-        if path and path[-1] in _MAPS and _is_map(path):
+        if path and path[-1] in MAP_KEYS and _is_map(path):
             stack.extend((v, (*path, k), base) for k, v in node.items())
             continue
         ident = node.get(id_key)
@@ -86,7 +83,7 @@ def local_refs(schema, text: str | None = None):
         if isinstance(node.get("$ref"), str):
             refs.append((path, base, node["$ref"]))
         for key, value in node.items():
-            if key not in _DATA and isinstance(value, dict | list):
+            if key not in DATA_KEYS and isinstance(value, dict | list):
                 stack.append((value, (*path, key), base))
     rewrites = {}
     for path, base, ref in refs:
@@ -99,10 +96,10 @@ def local_refs(schema, text: str | None = None):
 
 
 def _is_map(path: tuple[str, ...]) -> bool:
-    """Whether the node at `path` (whose last key is in _MAPS) is a map of names: not when
+    """Whether the node at `path` (whose last key is in MAP_KEYS) is a map of names: not when
     that key is itself a name in a map ("properties": {"properties": {...}})."""
     n = 1
-    while n < len(path) and path[-1 - n] in _MAPS:
+    while n < len(path) and path[-1 - n] in MAP_KEYS:
         n += 1
     return n % 2 == 1
 
@@ -140,7 +137,7 @@ def _rewritten(node, path: tuple[str, ...], rewrites: dict, id_key: str):
         return [_rewritten(v, (*path, str(i)), rewrites, id_key) for i, v in enumerate(node)]
     if not isinstance(node, dict):
         return node
-    if path and path[-1] in _MAPS and _is_map(path):
+    if path and path[-1] in MAP_KEYS and _is_map(path):
         return {k: _rewritten(v, (*path, k), rewrites, id_key) for k, v in node.items()}
     out = {}
     for key, value in node.items():
@@ -148,7 +145,7 @@ def _rewritten(node, path: tuple[str, ...], rewrites: dict, id_key: str):
             continue
         if key == "$ref" and path in rewrites:
             out[key] = rewrites[path]
-        elif key in _DATA:
+        elif key in DATA_KEYS:
             out[key] = value
         else:
             out[key] = _rewritten(value, (*path, key), rewrites, id_key)
