@@ -333,7 +333,7 @@ class _Rewriter:
             # Keywords beside the union hold in every branch: each branch is the branch
             # with them (the branch itself where they say nothing more: a `type` that
             # every branch implies).
-            within = _type_set(node) if own.keys() == {"type"} else None
+            within = type_set(node) if own.keys() == {"type"} else None
             if not own or (within is not None
                            and all(self._types(sub) <= within for sub in branches)):
                 parts = [(f"{pointer}/{word}/{i}", sub) for i, sub in enumerate(branches)]
@@ -390,7 +390,7 @@ class _Rewriter:
         the same when the target implies the type)."""
         if node.keys() & _ASSERTIONS != {"$ref", "type"}:
             return False
-        within, target = _type_set(node), _type_set(self.resolve(node["$ref"])[0])
+        within, target = type_set(node), type_set(self.resolve(node["$ref"])[0])
         return within is not None and target is not None and target <= within
 
     def _facts(self, node) -> tuple[frozenset, dict, frozenset, bool]:
@@ -478,7 +478,7 @@ class _Rewriter:
         return self._once("types", node, lambda: self._own_types(node, depth))
 
     def _own_types(self, node: dict, depth: int) -> frozenset:
-        types = _type_set(node) or _ALL_TYPES
+        types = type_set(node) or _ALL_TYPES
         values = _values(node)
         if values is not None:
             types &= frozenset(_kind(v) for v in values)
@@ -538,8 +538,11 @@ class _Rewriter:
         if any(r not in allowed and (r in props or extra is False) for r in required):
             return None  # unsatisfiable: llguidance says so
         names = required + [k for k in allowed if k not in required]
+        deps = _dependencies(node, self.requires)
+        if deps is None:
+            return None
         if extra is not False:
-            names += _dependency_names(node, self.requires, names, props)
+            names += _dependency_names(deps, names, props)
         patterns = self._patterns(pointer, node, props, extra)
         if patterns is None:
             return None
@@ -552,7 +555,7 @@ class _Rewriter:
             return None
         # Names without a bit may come: unlisted ones, or ones a pattern matches.
         closed = extra is False and not patterns
-        counted = _counted(node, names, closed, props, self.requires)
+        counted = _counted(node, deps, names, closed, props)
         if counted is None:
             return None
         low, high, deps = counted
@@ -707,7 +710,7 @@ class _Rewriter:
             return None
         within = _ALL_TYPES
         for branch in branches:
-            types = _type_set(branch) if "type" in branch else _ALL_TYPES
+            types = type_set(branch) if "type" in branch else _ALL_TYPES
             if types is None:
                 return None
             within &= types
@@ -906,7 +909,7 @@ class _Rewriter:
 _ALL_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 
 
-def _type_set(node) -> frozenset | None:
+def type_set(node) -> frozenset | None:
     """The JSON types a node's own `type` allows ("number" holds "integer"), None without
     a well-formed one."""
     kind = node.get("type") if isinstance(node, dict) else None
@@ -945,7 +948,7 @@ def _values(node) -> list | None:
 
 
 def _kind(value) -> str:
-    """A JSON value's type, as `_type_set` names it ("integer" for integral numbers)."""
+    """A JSON value's type, as `type_set` names it ("integer" for integral numbers)."""
     if isinstance(value, bool):
         return "boolean"
     if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
@@ -1114,27 +1117,26 @@ def _dependencies(node: dict, requires: str) -> list[tuple[str, list[str], bool]
     return out
 
 
-def _dependency_names(node: dict, requires: str, names: list[str], listed) -> list[str]:
-    """The names the node's dependencies (`_dependencies`) speak of, beyond the `names`
+def _dependency_names(deps: list, names: list[str], listed) -> list[str]:
+    """The names a node's dependencies (`_dependencies`) speak of, beyond the `names`
     given bits and not `listed` in `properties`: each takes a bit too (its value is what
     `additionalProperties` allows, as for an unlisted name), so that the closing brace can
     check them."""
     more: dict[str, None] = {}
-    for key, others, _ in _dependencies(node, requires) or ():
+    for key, others, _ in deps:
         if others:
             more.update(dict.fromkeys(n for n in (key, *others)
                                       if n not in names and n not in listed))
     return list(more)
 
 
-def _counted(node: dict, names: list[str], closed: bool, listed, requires: str) -> tuple | None:
+def _counted(node: dict, found: list, names: list[str], closed: bool, listed) -> tuple | None:
     """(minProperties, maxProperties or None, [(name, the names it requires or excludes,
-    whether required)]) of an object node whose listed `names` each have a bit (the
-    dependencies of `_dependencies`, each with only names that may be there); None when they
-    cannot be stated: counts where unlisted names may come (they have no bit) but "not
-    empty" and "at most one" (the rule's shape states those), a name required by another
-    that has no bit, a dependency that is another schema, more names required than
-    allowed."""
+    whether required)]) of an object node whose listed `names` each have a bit, from its
+    dependencies `found` by `_dependencies` (each with only names that may be there); None
+    when they cannot be stated: counts where unlisted names may come (they have no bit) but
+    "not empty" and "at most one" (the rule's shape states those), a name required by
+    another that has no bit, more names required than allowed."""
     low, high = node.get("minProperties", 0), node.get("maxProperties")
     if not (_count(low) and (high is None or _count(high))) or (high is not None and high < 1):
         return None
@@ -1144,9 +1146,6 @@ def _counted(node: dict, names: list[str], closed: bool, listed, requires: str) 
         return None
     if high is not None and len(set(node.get("required", ()))) > high:
         return None  # unsatisfiable: llguidance says so
-    found = _dependencies(node, requires)
-    if found is None:
-        return None
 
     def never(name: str) -> bool:  # never there: a name without a bit that cannot come
         return closed or name in listed

@@ -89,6 +89,7 @@ from grammar_service.property_order import (
     pointer_target,
     requires_keyword,
     stated_key_schema,
+    type_set,
 )
 
 # Keys whose values are data, not subschemas.
@@ -167,7 +168,7 @@ def without_ignored(schema: Any, text: str) -> tuple[Any, tuple[str, ...]]:
     every `LLG_IGNORED` keyword of every subschema, and `dependencies`, but what the rewrite
     states: up to draft 7 the name lists of `dependencies` and its schemas that say names are
     absent (`excluded_names`), after it such schemas of `dependentSchemas`; a
-    `propertyNames` of string keywords (`key_schema`).
+    `propertyNames` of string keywords on a map (`stated_key_schema`).
     `text`: the schema's JSON, which spares the walk (and the copy) when no such keyword is
     in it.
     Compiled leniently the result enforces what `schema` does on llguidance; the caller
@@ -290,8 +291,8 @@ def _names_node(node: dict) -> dict:
     return node
 
 
-# The JSON types that together hold every value (integers are numbers).
-_ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
+# The JSON types, in the order a `type` list is written ("number" holds "integer").
+_TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
 
 
 def _not_type_node(node: dict) -> dict:
@@ -302,17 +303,13 @@ def _not_type_node(node: dict) -> dict:
     sub = node.get("not")
     if not (isinstance(sub, dict) and sub.keys() - _NOTES == {"type"}):
         return node
-    types = [sub["type"]] if isinstance(sub["type"], str) else sub["type"]
-    if not (isinstance(types, list) and types
-            and all(t in _ALL_TYPES or t == "integer" for t in types)) \
-            or ("integer" in types and "number" not in types):
+    excluded = type_set(sub)
+    own = type_set(node) if "type" in node else frozenset(_TYPES)
+    if excluded is None or own is None or ("integer" in excluded
+                                           and "number" not in excluded):
         return node
-    rest = [t for t in _ALL_TYPES if t not in types]
-    own = node.get("type", rest)
-    own = [own] if isinstance(own, str) else own
-    if not isinstance(own, list):
-        return node
-    kept = [t for t in own if t in rest or (t == "integer" and "number" in rest)]
+    kept = [t for t in _TYPES if t in own and t not in excluded
+            and not (t == "integer" and "number" in own)]
     if not kept:
         return node  # nothing is left: llguidance says so
     del node["not"]
