@@ -86,6 +86,7 @@ _WS = r"[\x20\x0A\x0D\x09]"
 _KEY_BODY = r'(?:[^"\\\x00-\x1F]|\\["\\bfnrt])*'
 _KEY = f'"{_KEY_BODY}"'
 MAX_PROPERTIES = 64  # bits of llguidance's rule parameter
+_EMBED = re.compile(r"^j[0-9]+: %json (.*)$", re.MULTILINE)
 # The values of the JSON types as lexemes (RFC 8259), for nodes that are a bare type: what
 # llguidance's JSON compiler accepts for them, and a string may also use any \u escape.
 _NUMBER_INT = r"-?(?:0|[1-9][0-9]*)"
@@ -184,9 +185,21 @@ def any_order_grammar(schema, x_guidance: dict, whitespace: str | None,
     if not isinstance(schema, dict):
         return None
     try:
-        return _Rewriter(schema, x_guidance, whitespace, text).grammar()
+        lark = _Rewriter(schema, x_guidance, whitespace, text).grammar()
     except (_Unsupported, RecursionError):
         return None
+    if lark is not None and not lark.isascii():
+        try:
+            lark.encode()
+        except UnicodeEncodeError:  # a name with a lone surrogate: no UTF-8 spells it
+            return None
+    return lark
+
+
+def embedded_schemas(lark: str) -> list[str]:
+    """The JSON texts of the nodes an `any_order_grammar` Lark embeds (`%json`), in order:
+    each is one line `jN: %json {...}` (JSON text has no raw line break)."""
+    return _EMBED.findall(lark)
 
 
 def requires_keyword(schema: dict) -> str:
@@ -1267,8 +1280,9 @@ def _escape(key: str) -> str:
 
 
 def _lark_string(text: str) -> str:
-    """A Lark string literal matching `text` exactly."""
-    return _quote(text)
+    """A Lark string literal matching `text` exactly (Lark's strings are JSON's, less a
+    raw DEL)."""
+    return _quote(text).replace("\x7f", "\\u007f")
 
 
 def _names_regex(names: list[str]) -> str:

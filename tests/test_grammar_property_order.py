@@ -26,6 +26,7 @@ from grammar_service.schema_fixes import fix_schema_llguidance
 from grammar_service.specs import parse_spec
 from grammar_service.vocab import load_vocab
 from protos import common_pb2
+from protos.rpc import InvalidArgument
 
 Opts = common_pb2.GrammarOptions
 
@@ -166,6 +167,58 @@ def test_lenient_reports_survive_the_rewrite(backends):
     result = compile_spec(spec, backends)
     assert result.backend == LLGUIDANCE
     assert "properties.a.format" in result.unenforced
+
+
+def test_the_service_checks_the_embeds_as_llguidance_checks_the_whole_lark():
+    """The grammar service checks the JSON schemas an any-order Lark embeds, not the Lark
+    (backends._llg_grammar): over every schema of the JSON Schema Test Suite, in each
+    whitespace mode, the two checks agree on whether the grammar builds and on its
+    warnings, which are what a lenient compile reports."""
+    import llguidance
+
+    from bench.conformance import load_cases
+    from grammar_service.backends import _llg_grammar
+
+    check = llguidance.LLMatcher.validate_grammar_with_warnings
+    schemas = {json.dumps(c.schema, sort_keys=True) for c in load_cases()}
+    for value in ({"type": "string", "format": "no-such-format"},  # ignored: a warning
+                  {"type": "string", "pattern": "(?=x)y"},  # refused even leniently
+                  {"allOf": [{"type": "string"}, {"type": "integer"}]}):  # nothing matches
+        schemas.add(json.dumps({"type": "object", "properties": {"a": value, "b": {}},
+                                "required": ["a"]}))
+    compared = failed = warned = 0
+    for text in sorted(schemas):
+        for whitespace in (common_pb2.WHITESPACE_BOUNDED, common_pb2.WHITESPACE_COMPACT):
+            try:
+                spec = parse_spec(common_pb2.GrammarSpec(
+                    json_schema=text, options=Opts(whitespace=whitespace)))
+                grammar, _, embeds = _llg_grammar(spec, lenient=True)
+            except (InvalidArgument, BackendError):  # the schema false, other documents
+                continue
+            if not embeds:
+                continue
+            whole, parts = check(grammar), check(embeds)
+            assert whole[0] == parts[0], (text, whole, parts)
+            if not whole[0]:
+                assert sorted(whole[1]) == sorted(parts[1]), (text, whole, parts)
+            compared, failed, warned = compared + 1, failed + whole[0], warned + bool(whole[1])
+    assert compared > 150 and failed >= 2 and warned >= 1, (compared, failed, warned)
+
+
+def test_names_lark_cannot_spell_raw(backends, encode):
+    """Names are the one thing of the user's the rewrite writes itself: a DEL (Lark's
+    strings refuse it raw) is escaped; a lone surrogate (no UTF-8 spells it) leaves the
+    schema to llguidance's own compile."""
+    for name in ("a\x7fb", 'q"u\\x', "c\x01\u2028é/"):
+        schema = {"type": "object", "properties": {name: {"enum": ["v\x7f"]}, "n": {}},
+                  "required": [name]}
+        assert any_order_grammar(schema, {}, None) is not None, name
+        g = compiled(backends, schema)
+        body = json.dumps(name, ensure_ascii=False)
+        assert accepts(g, encode, '{"n":1,' + body + ':"v\x7f"}'), name
+        assert not accepts(g, encode, '{"n":1,' + body + ':"v"}'), name
+    lone = {"type": "object", "properties": {"\ud800": {}, "n": {}}}
+    assert any_order_grammar(lone, {}, None) is None
 
 
 def test_what_the_rewrite_leaves_alone():
