@@ -289,10 +289,10 @@ class LLGuidanceBackend:
         """
         from llguidance import LLMatcher
 
-        grammar, ignored, embeds = _llg_grammar(spec, lenient)
-        failed, messages = LLMatcher.validate_grammar_with_warnings(embeds or grammar,
+        grammar, ignored, check = _llg_grammar(spec, lenient)
+        failed, messages = LLMatcher.validate_grammar_with_warnings(check or grammar,
                                                                     self.tokenizer)
-        if failed and embeds:
+        if failed and check is not None:
             # The any-order rewrite failed where the schema as it is may not (an embedded
             # node llguidance refuses on its own, e.g. unsatisfiable where its compile of the
             # whole schema drops it): the schema's own grammar, order fixed.
@@ -385,10 +385,10 @@ def default_fill_threads() -> int:
 
 
 def _llg_grammar(spec, lenient: bool = False,
-                 any_order: bool = True) -> tuple[str, tuple[str, ...], str]:
+                 any_order: bool = True) -> tuple[str, tuple[str, ...], str | None]:
     """(llguidance's grammar text for `spec`, the keywords the grammar ignores that its own
     compile will not name: those `without_ignored` left out of a lenient any-order rewrite's
-    schema, what the service checks instead of the grammar: "" for the grammar itself).
+    schema, what the service checks of the any-order rewrite's grammar: None for another).
 
     What the service checks of the any-order rewrite's Lark (property_order) is the JSON
     schemas the Lark embeds, as one grammar list. Everything of the user's in that Lark is
@@ -435,13 +435,13 @@ def _llg_grammar(spec, lenient: bool = False,
             if lark is not None:
                 embeds = embedded_schemas(lark)
                 check = '{"grammars":[' + ",".join(
-                    '{"json_schema":' + e + "}" for e in embeds) + "]}" if embeds else ""
+                    '{"json_schema":' + e + "}" for e in embeds) + "]}" if embeds else lark
                 return lark, ignored, check
         try:
-            return LLMatcher.grammar_from_json_schema(text, overrides=ws), (), ""
+            return LLMatcher.grammar_from_json_schema(text, overrides=ws), (), None
         except ValueError as exc:
             raise BackendError(str(exc), LLGUIDANCE) from None
-    return _llg_other_grammar(spec), (), ""
+    return _llg_other_grammar(spec), (), None
 
 
 def _llg_other_grammar(spec) -> str:
