@@ -29,7 +29,9 @@ filled into a one-row bitmask and timed. Printed per mode: schemas passing (comp
 valid instance accepted, every invalid one refused), compile refusals and timeouts, valid
 instances rejected, invalid instances accepted (reported unenforced at compile / silent),
 compile p50/p99/max (validation + compile + serialise + the rank's deserialise and first
-matcher: the path to a request's first mask) and mask p50/p99 (one row, one thread).
+matcher: the path to a request's first mask; and the p50 of each side, the grammar service's
+and the rank's; llguidance alone counts all of it as the service's) and mask p50/p99 (one
+row, one thread).
 
 Each mode runs in worker processes of its own, one mode after another: a process that timed
 xgrammar's compiles (seconds and hundreds of MB on some schemas) would carry their heap into
@@ -194,6 +196,7 @@ def _worker(model_dir: str, conn) -> None:
         verdicts = [judge.verdict(build, data, valid, masks) for data, valid in instances]
         conn.send({"backend": build.backend, "error": build.error,
                    "unenforced": build.unenforced, "seconds": build.compile_s + build.build_s,
+                   "service_seconds": build.compile_s, "rank_seconds": build.build_s,
                    "verdicts": verdicts, "masks": masks})
 
 
@@ -285,6 +288,7 @@ def summarise(results: dict[str, list[dict | None]]) -> dict[str, dict]:
     out = {}
     for mode, rows in results.items():
         verdicts, compiles, masks, s = Counter(), [], [], Counter()
+        service, rank = [], []
         for row in rows:
             if row is None:
                 s["timeouts"] += 1
@@ -293,6 +297,8 @@ def summarise(results: dict[str, list[dict | None]]) -> dict[str, dict]:
                 s["schemas_refused"] += 1
             else:
                 compiles.append(row["seconds"])
+                service.append(row["service_seconds"])
+                rank.append(row["rank_seconds"])
                 masks += row["masks"]
                 s["backend_" + row["backend"]] += 1
             verdicts.update(row["verdicts"])
@@ -300,6 +306,7 @@ def summarise(results: dict[str, list[dict | None]]) -> dict[str, dict]:
                 s["passing"] += 1
         out[mode] = {**s, **verdicts, "schemas": len(rows),
                      "compile_ms": [1e3 * _pct(compiles, p) for p in (50, 99, 100)],
+                     "split_ms": [1e3 * _pct(service, 50), 1e3 * _pct(rank, 50)],
                      "mask_us": [1e6 * _pct(masks, p) for p in (50, 99)],
                      "masks": len(masks)}
     return out
@@ -316,6 +323,7 @@ def table(summary: dict[str, dict]) -> str:
         ("invalid accepted: SILENT", lambda s: str(s.get("invalid_silent", 0))),
         ("instances passing", lambda s: str(s.get("pass", 0))),
         ("compile p50 / p99 / max ms", lambda s: " / ".join(f"{v:.1f}" for v in s["compile_ms"])),
+        ("  p50 service / rank ms", lambda s: " / ".join(f"{v:.1f}" for v in s["split_ms"])),
         ("mask p50 / p99 us", lambda s: " / ".join(f"{v:.1f}" for v in s["mask_us"])),
         ("masks timed", lambda s: str(s["masks"])),
         ("backend used (llg / xgr)", lambda s: f"{s.get('backend_llguidance', 0)} / "
