@@ -209,7 +209,7 @@ def test_names_lark_cannot_spell_raw(backends, encode):
     """Names are the one thing of the user's the rewrite writes itself: a DEL (Lark's
     strings refuse it raw) is escaped; a lone surrogate (no UTF-8 spells it) leaves the
     schema to llguidance's own compile."""
-    for name in ("a\x7fb", 'q"u\\x', "c\x01\u2028é/"):
+    for name in ("a\x7fb", 'q"u\\x', "c\x01\u2028é/", "a b#~&-(x)[y]{z}|^$.*+?\t%@"):
         schema = {"type": "object", "properties": {name: {"enum": ["v\x7f"]}, "n": {}},
                   "required": [name]}
         assert any_order_grammar(schema, {}, None) is not None, name
