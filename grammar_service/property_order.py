@@ -14,7 +14,9 @@ set of listed properties seen: each listed property at most once, the closing br
 once every required one has come, unlisted names (when the schema allows them) any number
 of times, as llguidance's own JSON compiler allows them, with values under
 `additionalProperties` (an object with no listed property, a map, when its values hold
-objects to reorder). Where every name present has a bit (`additionalProperties: false`),
+objects to reorder). Past 64 listed names, the optional ones no dependency speaks of take
+no bit once the bits run out (`_with_bits`): each such name may come more than once, its
+value under its own schema every time. Where every name present has a bit (`additionalProperties: false`),
 `minProperties` and `maxProperties` are conditions on the count of bits set (where unlisted
 names may come, only `minProperties: 1` and `maxProperties: 1`, which the rule's shape
 states: no empty object, no comma); names that
@@ -59,8 +61,8 @@ node takes along every target its `$ref`s reach (a definition, the root, any nod
 What stays fixed: objects inside embedded nodes (under an `allOf` with other keywords, a
 `oneOf` not shown apart, `not`, `if`, or next to other `patternProperties`, a
 `propertyNames` beside listed names (on a map, one of string keywords is its keys' schema),
-`min/maxProperties` above 1 where unlisted names may come, schema `dependencies`, ..., or with
-more than 64 listed properties). `None`
+`min/maxProperties` above 1 where unlisted names may come or past 64 listed names, schema
+`dependencies`, ..., or more than 64 names required or named by dependencies). `None`
 (the caller compiles the schema as it is) when no object would change, when the schema uses
 what the rewrite does not resolve (a `$ref` that is not a local JSON pointer, `$id` below
 the root or anchors where the schema has references), or when the grammar would be much
@@ -556,18 +558,20 @@ class _Rewriter:
             return None
         if extra is not False:
             names += _dependency_names(deps, names, props)
+        names, bitless = _with_bits(names, required, deps)
         patterns = self._patterns(pointer, node, props, extra)
-        if patterns is None:
+        if patterns is None or names is None:
             return None
-        if len(names) > MAX_PROPERTIES or (not names and not patterns and extra is False):
+        if not names and not bitless and not patterns and extra is False:
             return None
         # A `propertyNames` that says something: stated as the key of an object whose every
         # name is unlisted (a map); a listed name would have to be checked against it.
         keys = stated_key_schema(node)
         if keys is None:
             return None
-        # Names without a bit may come: unlisted ones, or ones a pattern matches.
-        closed = extra is False and not patterns
+        # Names without a bit may come: unlisted ones, ones a pattern matches, listed ones
+        # past the bits.
+        closed = extra is False and not patterns and not bitless
         counted = _counted(node, deps, names, closed, props)
         if counted is None:
             return None
@@ -601,11 +605,15 @@ class _Rewriter:
             listed = _lark_string(_quote(key))
             members.append(f'{listed} ":" {value}'
                            + ("" if bare else f" {rest}::set_bit({bit}) %if bit_clear({bit})"))
+        for key in bitless:  # any number of times, as an unlisted name
+            value = self.node(f"{pointer}/properties/{_escape(key)}", allowed[key])
+            members.append(f'{_lark_string(_quote(key))} ":" {value}'
+                           + ("" if bare else f" {rest}::_"))
         if extra is not False:
             value = (self.node(f"{pointer}/additionalProperties", extra)
                      if isinstance(extra, dict) else self.embed(True))
             # not a listed name, nor one listed as `false` (that name is never allowed)
-            listed = names + [k for k in props if k not in allowed]
+            listed = names + bitless + [k for k in props if k not in allowed]
             # (with no name listed, any JSON string, escapes and all, or the names
             # `propertyNames` allows)
             unlisted = self.embed({"type": "string", **keys}) if keys else self.terminal(
@@ -1141,6 +1149,25 @@ def _dependency_names(deps: list, names: list[str], listed) -> list[str]:
             more.update(dict.fromkeys(n for n in (key, *others)
                                       if n not in names and n not in listed))
     return list(more)
+
+
+def _with_bits(names: list[str], required: list[str], deps: list) -> tuple:
+    """(the names that take a bit of the rule's parameter, in `names`' order: the required
+    ones first; the listed names past them), or (None, []) when more than
+    MAX_PROPERTIES names must have one. Every name has a bit where they fit; past that, the
+    required names and those a dependency speaks of keep theirs, then the others in order
+    until the bits run out, and the rest take none: each may come any number of times, as
+    an unlisted name may (JSON Schema sees the last of a repeated name, and every one of
+    them holds its schema here), so an object no longer needs its listed order past 64
+    names."""
+    if len(names) <= MAX_PROPERTIES:
+        return names, []
+    must = set(required) | {n for key, others, _ in deps for n in (key, *others)}
+    room = MAX_PROPERTIES - sum(n in must for n in names)
+    if room < 0:
+        return None, []
+    keep = must | set([n for n in names if n not in must][:room])
+    return [n for n in names if n in keep], [n for n in names if n not in keep]
 
 
 def _counted(node: dict, found: list, names: list[str], closed: bool, listed) -> tuple | None:

@@ -732,6 +732,54 @@ def test_counts_and_dependencies_on_the_rules_bits(backends, encode):
     assert checked > 250 and 0.2 < valid_seen / checked < 0.8, (checked, valid_seen)
 
 
+def test_objects_past_64_names(backends, encode):
+    """Past 64 listed names the required ones and those a dependency speaks of keep a bit,
+    then the others in order until the bits run out; the rest may come in any order and
+    more than once (each time under its schema). Random objects of 70-90 names, documents
+    of random subsets in random order with a wrong value or a missing name now and then,
+    judged like jsonschema."""
+    rng = random.Random(20261209)
+    checked = valid_seen = 0
+    for _ in range(6):
+        names = [f"p{i}" for i in range(rng.randint(70, 90))]
+        node = {"type": "object", "properties": {
+            n: {"type": rng.choice(["integer", "string"])} for n in names}}
+        node["required"] = rng.sample(names, rng.randint(0, 3))
+        extra = rng.choice([False, True, {"type": "integer"}])
+        if extra is not True:
+            node["additionalProperties"] = extra
+        key, *others = rng.sample(names[40:], 3)
+        node["dependentRequired"] = {key: others}
+        schema = {"type": "object", "properties": {"x": node}}
+        text = any_order_grammar(schema, {}, None)
+        assert text is not None and "%json {\"type\":\"object\"" not in text, node
+        g = compiled(backends, schema)
+        validator = jsonschema.Draft202012Validator(schema)
+        values = {"integer": 1, "string": "s"}
+        for _ in range(24):
+            keys = rng.sample(names, rng.randint(0, 12)) + node["required"] * (rng.random() < .7)
+            keys += [key] * (rng.random() < 0.3) + others * (rng.random() < 0.5)
+            body = {k: values[node["properties"][k]["type"]] for k in dict.fromkeys(keys)}
+            if body and rng.random() < 0.2:  # a wrong value
+                wrong = rng.choice(list(body))
+                body[wrong] = {"s": 1, 1: "s"}[body[wrong]]
+            if rng.random() < 0.2:
+                body["unlisted"] = 2
+            items = list(body.items())
+            rng.shuffle(items)
+            checked += 1
+            valid_seen += _agrees(g, encode, validator, json.dumps({"x": dict(items)}), node)
+    assert checked > 100 and 0.2 < valid_seen / checked < 0.8, (checked, valid_seen)
+    # the names past the bits may repeat; a name with a bit may not
+    node = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(70)}}
+    g = compiled(backends, node)
+    assert accepts(g, encode, '{"p69": 1, "p0": 2, "p69": 3}')
+    assert not accepts(g, encode, '{"p69": 1, "p69": "s"}')
+    assert not accepts(g, encode, '{"p0": 1, "p69": 1, "p0": 3}')
+    # counts past the bits cannot be stated: the schema's own order then
+    assert any_order_grammar({**node, "minProperties": 2}, {}, None) is None
+
+
 def _agree_on_subsets(backends, encode, schema, node, rng, pool, with_y=False):
     """Documents {"x": {name: 1, ...}} of up to four names of `pool` (and, with `with_y`,
     sometimes "y"), each judged by `schema` compiled and by jsonschema (`_agrees`): (how
