@@ -16,10 +16,10 @@ of times, as llguidance's own JSON compiler allows them, with values under
 `additionalProperties` (an object with no listed property, a map, when its values hold
 objects to reorder). Past 64 listed names, the optional ones no dependency speaks of take
 no bit once the bits run out (`_with_bits`): each such name may come more than once, its
-value under its own schema every time. Where every name present has a bit (`additionalProperties: false`),
-`minProperties` and `maxProperties` are conditions on the count of bits set (where unlisted
-names may come, only `minProperties: 1` and `maxProperties: 1`, which the rule's shape
-states: no empty object, no comma); names that
+value under its own schema every time. Where every name present has a bit
+(`additionalProperties: false`), `minProperties` and `maxProperties` are conditions on the
+count of bits set (where unlisted names may come, only `minProperties: 1` and
+`maxProperties: 1`, which the rule's shape states: no empty object, no comma); names that
 require others (`dependentRequired`, or `dependencies` with name lists up to draft 7) are
 conditions on the closing brace, and so are names that exclude others (a dependency whose
 schema says only that names are absent, `excluded_names`: mutually exclusive properties, in
