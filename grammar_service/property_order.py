@@ -595,20 +595,17 @@ class _Rewriter:
         # One member and no condition (maxProperties 1, nothing required): no bits at all.
         bare = not (done or comma)
         members = []
-        for bit, key in enumerate(names):
+        for bit, key in enumerate(names + bitless):
             if key in allowed:
                 value = self.node(f"{pointer}/properties/{_escape(key)}", allowed[key])
             elif isinstance(extra, dict):
                 value = self.node(f"{pointer}/additionalProperties", extra)
             else:
                 value = self.embed(True)
-            listed = _lark_string(_quote(key))
-            members.append(f'{listed} ":" {value}'
-                           + ("" if bare else f" {rest}::set_bit({bit}) %if bit_clear({bit})"))
-        for key in bitless:  # any number of times, as an unlisted name
-            value = self.node(f"{pointer}/properties/{_escape(key)}", allowed[key])
-            members.append(f'{_lark_string(_quote(key))} ":" {value}'
-                           + ("" if bare else f" {rest}::_"))
+            # a name past the bits (`bitless`) comes any number of times, as an unlisted one
+            tail = "" if bare else (f" {rest}::set_bit({bit}) %if bit_clear({bit})"
+                                    if bit < len(names) else f" {rest}::_")
+            members.append(f'{_lark_string(_quote(key))} ":" {value}{tail}')
         if extra is not False:
             value = (self.node(f"{pointer}/additionalProperties", extra)
                      if isinstance(extra, dict) else self.embed(True))
@@ -927,7 +924,9 @@ class _Rewriter:
         self.rules[name] = rule
 
 
-_ALL_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+# The JSON types, in the order a `type` list is written ("number" holds "integer").
+JSON_TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
+_ALL_TYPES = frozenset(JSON_TYPES)
 
 
 def type_set(node) -> frozenset | None:

@@ -82,6 +82,7 @@ import re
 from typing import Any
 
 from grammar_service.property_order import (
+    JSON_TYPES,
     MAP_KEYS,
     absent_names,
     excluded_names,
@@ -291,10 +292,6 @@ def _names_node(node: dict) -> dict:
     return node
 
 
-# The JSON types, in the order a `type` list is written ("number" holds "integer").
-_TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
-
-
 def _not_type_node(node: dict) -> dict:
     """A `not` of types alone becomes the other types (`{"not": {"type": "null"}}`: any
     non-null value), the node's own `type` narrowed to them; left where the complement is
@@ -304,11 +301,11 @@ def _not_type_node(node: dict) -> dict:
     if not (isinstance(sub, dict) and sub.keys() - _NOTES == {"type"}):
         return node
     excluded = type_set(sub)
-    own = type_set(node) if "type" in node else frozenset(_TYPES)
+    own = type_set(node) if "type" in node else frozenset(JSON_TYPES)
     if excluded is None or own is None or ("integer" in excluded
                                            and "number" not in excluded):
         return node
-    kept = [t for t in _TYPES if t in own and t not in excluded
+    kept = [t for t in JSON_TYPES if t in own and t not in excluded
             and not (t == "integer" and "number" in own)]
     if not kept:
         return node  # nothing is left: llguidance says so
