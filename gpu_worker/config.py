@@ -45,6 +45,7 @@ class WorkerConfig:
     reflection: str = "on"
     drain_timeout_s: float = 30.0
     forced_round_cost: float = 1 / 16
+    draft_tokens: int = 2
 
     def __post_init__(self):
         checks = [
@@ -74,6 +75,7 @@ class WorkerConfig:
             (self.reflection in ("on", "off"), "reflection", "must be on or off"),
             (self.drain_timeout_s >= 0, "drain-timeout", "must be >= 0"),
             (self.forced_round_cost >= 0, "forced-round-cost", "must be >= 0"),
+            (0 <= self.draft_tokens <= 8, "draft-tokens", "must be in [0, 8]"),
         ]
         for ok, flag, why in checks:
             if not ok:
@@ -158,6 +160,10 @@ def parser() -> argparse.ArgumentParser:
                    type=_flag, default=e("accept_first", True),
                    help="sample greedy and temperature-only guided rows unmasked first and "
                         "mask only refused ones (same output; --no-accept-first turns it off)")
+    p.add_argument("--draft-tokens", type=int, default=e("draft_tokens", 2),
+                   help="accept-first rows feed up to this many tokens guessed from earlier "
+                        "outputs of their grammar after their newest one, and keep the "
+                        "samples that agree: fewer steps, the same output (0 = off)")
     p.add_argument("--tls-cert", default=e("tls_cert", ""), help="server certificate PEM file")
     p.add_argument("--tls-key", default=e("tls_key", ""), help="server private key PEM file")
     p.add_argument("--tls-ca", default=e("tls_ca", ""),

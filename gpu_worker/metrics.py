@@ -66,6 +66,14 @@ class WorkerMetrics:
             "gramserve_worker_resamples_total",
             "Accept-first tokens the grammar refused, resampled with the row's mask.",
             registry=registry)
+        self.drafted_tokens = Counter(
+            "gramserve_worker_drafted_tokens_total",
+            "Guessed tokens fed after a row's newest token and checked by sampling at their "
+            "positions (drafts).", registry=registry)
+        self.draft_accepted = Counter(
+            "gramserve_worker_draft_accepted_total",
+            "Drafted tokens the row's own sample agreed with: each saves the row a step.",
+            registry=registry)
         self.row_forwards = Counter(
             "gramserve_worker_decode_row_forwards_total",
             "Decode rows run through a forward (one row may feed several tokens).",

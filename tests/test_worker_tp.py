@@ -128,6 +128,32 @@ def test_tp2_shortcuts_give_the_tokens_of_plain_mask_first_sampling(system):
     wait_idle(system["tp2_metrics"] + system["tp2_plain_metrics"])
 
 
+def test_tp2_drafts_give_the_tokens_of_plain_mask_first_sampling(system):
+    """Drafted tokens (on by default) against the TP=2 group with every shortcut off: the same
+    tokens, greedy and seeded temperature, under a permissive regex that the random weights
+    mostly follow (so accept-first holds). A prompt sent again meets the draft tables its
+    first answer filled, on each rank from its own commits: drafts are verified and kept on
+    both ranks alike (no divergence). Long answers, since after the mix above a new row may
+    start backed off to mask-first for 64 tokens."""
+    v = system["vocab"]
+    key, spec = compile_spec(system["grammar"], "regex", r"[^\n]{0,500}")
+    for n, sampling in enumerate(({"temperature": 0.0}, {"temperature": 0.0},
+                                  {"temperature": 1.0, "seed": 7}, {"temperature": 1.0, "seed": 7})):
+        args = dict(key=key, spec=spec, max_tokens=110, **sampling)
+        prompt = v.encode(f"draft {sampling['temperature']}")
+        on = system["tp2"].generate(f"draft-on-{n}", prompt, **args)
+        off = system["tp2_plain"].generate(f"draft-off-{n}", prompt, **args)
+        assert on[0] == off[0] and on[1].reason == off[1].reason, sampling
+    for url in system["tp2_metrics"]:
+        assert metric(url, "gramserve_worker_draft_accepted_total") > 10
+        assert metric(url, "gramserve_worker_tp_divergence_total") == 0
+    ranks = [metric(url, "gramserve_worker_drafted_tokens_total") for url in system["tp2_metrics"]]
+    assert ranks[0] == ranks[1] > 0
+    for url in system["tp2_plain_metrics"]:
+        assert metric(url, "gramserve_worker_drafted_tokens_total") == 0
+    wait_idle(system["tp2_metrics"] + system["tp2_plain_metrics"])
+
+
 def test_slot_reuse_300_requests_cycling_constraints(system):
     """300 requests through 4 slots in a seeded random order: every guided output valid for
     its own constraint, every unguided output equal to the same request on a fresh worker."""

@@ -78,6 +78,7 @@ import torch
 
 from gpu_worker.control.lockstep import ControlChannel, diverged_rows
 from gpu_worker.control.slots import Entry, SlotTable
+from gpu_worker.guided.drafts import DraftTables
 from gpu_worker.guided.forced import ChainRounds, ForcedScan, RowJob, prepare, single_allowed
 from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
@@ -195,6 +196,10 @@ class Run:
     af_backoff: int = 0            # accept-first: mask-first tokens after the next refusal
     af_skip: int = 0               # accept-first: mask-first tokens left before trying again
     af_next: bool | None = None    # the mode of the next sampling, once decided
+    # Drafted tokens (gpu_worker.guided.drafts): the guess of the tokens from the one being
+    # sampled after its last commit on, and how many of `generated` the tables have seen.
+    draft: list[int] = field(default_factory=list)
+    observed: int = 0
 
     @property
     def slot(self) -> int:
@@ -213,12 +218,21 @@ class Run:
 
 @dataclass
 class Seq:
-    """One sequence of a step: its new tokens, whether it samples, whether it is prefill."""
+    """One sequence of a step: its new tokens, whether it samples, whether it is prefill.
+    A row verifying drafts feeds its pending token then `draft[1:]`, and gets logits at each
+    of those `len(draft)` positions (`draft[0]` is the guess of the pending token); `out` is
+    its first row in the step's logits."""
 
     run: Run
     tokens: list[int]
     samples: bool
     prefill: bool
+    draft: list[int] = field(default_factory=list)
+    out: int = 0
+
+    @property
+    def outputs(self) -> int:
+        return max(1, len(self.draft))
 
 
 @dataclass
@@ -243,6 +257,9 @@ class _InFlight:
     # The sampling batch's flags: a refused row is sampled again on the same code path (bit
     # for bit, I3).
     flags: SamplingFlags | None = None
+    # Per row of `rows`, for a row verifying drafts: the drafted token its sample must equal
+    # for the row's next sample to count (None for a row's last or only sample).
+    expect: list[int | None] | None = None
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -329,6 +346,9 @@ class EngineConfig:
     forced_round_cost: float = 1 / 16
     accept_first: bool = True        # sample temperature-only guided rows unmasked first
     accept_first_max_backoff: int = 64
+    # Accept-first rows feed up to this many guessed tokens after their newest one and keep
+    # the samples that agree (gpu_worker.guided.drafts); 0 turns drafts off.
+    draft_tokens: int = 0
     drain_timeout_s: float = 30.0    # after drain(): running rows finish within this
 
 
@@ -373,17 +393,20 @@ class Engine:
         self._redo: list[Run] = []
         self._redo_next: list[Run] = []
         self._refusal_rate = 0.0  # moving average over accept-first tries (1 = refused)
+        self.drafts = DraftTables() if cfg.accept_first and cfg.draft_tokens > 0 else None
         # One bitmask row on the host for the "can the grammar only end here?" check.
         self._end_row = torch.empty((1, self.masks.width), dtype=torch.int32)
-        # A sampling point sends at most five indices of at most num_slots rows each.
-        self._index = _IndexStage(5 * cfg.num_slots, device)
+        # Logit rows of a step: one per sequence, more for rows verifying drafts.
+        self.max_outputs = cfg.num_slots * (1 + (cfg.draft_tokens if self.drafts else 0))
+        # A sampling point sends at most five indices of at most that many rows each.
+        self._index = _IndexStage(5 * self.max_outputs, device)
         self.graphs = None
         # On CUDA every token attends through slot attention, so mixed steps replay graphs too.
         self.slot_attention = device.type == "cuda"
         if device.type == "cuda" and cfg.cuda_graph_max_tokens > 0:
             from gpu_worker.runtime.cuda_graphs import StepGraphs
 
-            self.graphs = StepGraphs(model, cfg.cuda_graph_max_tokens, cfg.num_slots,
+            self.graphs = StepGraphs(model, cfg.cuda_graph_max_tokens, self.max_outputs,
                                      scratch_slot=cfg.num_slots)
             with torch.inference_mode():
                 self.graphs.capture_all()
@@ -537,7 +560,8 @@ class Engine:
                   and r.known > r.fed and not (r.pending and self._ends_by_length(r))]
         prefill = sorted((r for r in self.runs.values() if r.prefilled < len(r.req.prompt)),
                          key=lambda r: (r.start_step, r.slot))
-        seqs = [Seq(r, [0] if r.pending else r.generated[r.fed:], True, False)
+        seqs = [self._drafted(r) if r.pending == 1 and r.draft
+                else Seq(r, [0] if r.pending else r.generated[r.fed:], True, False)
                 for r in sorted(decode, key=lambda r: r.slot)]
         # A long prompt is chunked so decoding slots keep their pace; some prefill always runs.
         budget = max(self.cfg.step_tokens - sum(len(s.tokens) for s in seqs),
@@ -550,6 +574,17 @@ class Engine:
             seqs.append(Seq(r, chunk, r.prefilled + n == len(r.req.prompt), True))
             budget -= n
         return seqs
+
+    def _drafted(self, r: Run) -> Seq:
+        """The sequence of a decode row whose token is pending on the device: that token, and
+        after it the row's draft where it may verify one (an accept-first row with room for
+        the samples before max_tokens and the model's length)."""
+        room = min(1 + self.cfg.draft_tokens, r.req.max_tokens - r.known,
+                   self.cfg.max_model_len - r.prefilled - r.known)
+        draft, r.draft = r.draft[:room], []
+        if len(draft) < 2 or r.redo is not None or r.chained or not self._accept_first(r):
+            return Seq(r, [0], True, False)
+        return Seq(r, [0, *draft[1:]], True, False, draft)
 
     def _ends_by_length(self, r: Run) -> bool:
         return r.known >= r.req.max_tokens or r.prefilled + r.known >= self.cfg.max_model_len
@@ -578,9 +613,10 @@ class Engine:
             r.af_backoff //= 2
 
     def _execute(self, seqs: list[Seq]) -> torch.Tensor:
-        """The forward of the step: (S, V) fp32 logits, one row per sequence. Rows that sample
-        for the first time get their fill-thread job submitted first, so it runs meanwhile. A
-        row whose newest token is still on the device gets it there (no host round trip)."""
+        """The forward of the step: (O, V) fp32 logits, one row per sequence (`Seq.out`), more
+        for a row verifying drafts. Rows that sample for the first time get their fill-thread
+        job submitted first, so it runs meanwhile. A row whose newest token is still on the
+        device gets it there (no host round trip)."""
         fresh = [s.run for s in seqs if s.samples and s.run.req.matcher is not None
                  and s.run.prep is None and not s.run.pending and not s.run.chained
                  and not self._accept_first(s.run)]
@@ -599,14 +635,19 @@ class Engine:
                 at += len(s.tokens)
             if dst:
                 feed = (self._inflight.tokens, dst, src)
-        if self.graphs is not None and self.graphs.fits(sum(map(len, tokens))):
-            logits = self.graphs.run(slots, starts, tokens, feed)      # (S, V) fp32
+        outputs, at = None, 0
+        for s in seqs:
+            s.out, at = at, at + s.outputs
+        if at > len(seqs):
+            outputs = [s.outputs for s in seqs]
+        if self.graphs is not None and self.graphs.fits(sum(map(len, tokens)), at):
+            logits = self.graphs.run(slots, starts, tokens, feed, outputs)  # (O, V) fp32
         else:
             batch = ForwardBatch.build(slots, starts, tokens, self.device,
-                                       slot_attention=self.slot_attention)
+                                       slot_attention=self.slot_attention, outputs=outputs)
             if feed is not None:
                 feed_tokens(batch.input_ids, *feed)
-            logits = self.model(batch)                                  # (S, V) fp32
+            logits = self.model(batch)                                  # (O, V) fp32
         for s in seqs:
             if s.prefill:
                 s.run.prefilled += len(s.tokens)
@@ -624,7 +665,8 @@ class Engine:
         are sampled too, from their saved logits (`Run.redo`), after the step's own rows; those
         the last commit refused wait for the next sampling point (their fills run meanwhile,
         off the critical path), whatever the timing, so every rank samples them at the same
-        step (I2/I3)."""
+        step (I2/I3). A row that fed drafts samples at each of their positions when its pending
+        token (committed since) was the draft's first guess, else only at the first."""
         live = [s.run for s in seqs if s.samples and self.runs.get(s.run.slot) is s.run
                 and s.run.redo is None]
         redo = [r for r in self._redo if self.runs.get(r.slot) is r]
@@ -637,14 +679,15 @@ class Engine:
             r.job = None  # done; `prep` keeps its results until the row samples
             if r.prep is not None and r.prep.chain:
                 self._take_chain(r)
-        # A row that took forced tokens samples nothing now: they feed its next forward.
-        keep = [i for i, s in enumerate(seqs) if s.samples and self.runs.get(s.run.slot) is s.run
-                and s.run.fed == s.run.known and s.run.redo is None]
+        keep, rows, ahead, expect = self._sampled_rows(seqs)
         redo = [r for r in redo if r.redo is not None and self.runs.get(r.slot) is r
                 and r.fed == r.known]
-        rows = [seqs[i].run for i in keep] + redo
+        rows += redo
         if not rows:
             return None
+        ahead += [0] * len(redo)
+        if expect is not None:
+            expect += [None] * len(redo)
         self._index.start()
         parts = []
         if keep:
@@ -692,12 +735,12 @@ class Engine:
         if n and redo and _flags(rows[:n]) == redo[0].redo[2]:
             # The step's rows take the path the refused rows took at their first try: one
             # call (redo rows are temperature-only, so the flags of all rows are these too).
-            batch = self._sampling_batch(rows)
+            batch = self._sampling_batch(rows, ahead)
             flags = batch.flags
             picked.append(sample(logits, batch))
         else:
             if n:
-                batch = self._sampling_batch(rows[:n])
+                batch = self._sampling_batch(rows[:n], ahead[:n])
                 flags = batch.flags
                 picked.append(sample(logits[:n], batch))
             if redo:
@@ -723,11 +766,51 @@ class Engine:
         if done is not None:
             done.record()
         for r in rows:
-            r.pending = 1
+            r.pending = 0
+        for r in rows:
+            r.pending += 1
         t["sample"] = time.perf_counter() - t_sample
+        # A row's next forward reads its last sample (row_of): with drafts, the guess that
+        # every draft holds, checked at the commit.
         return _InFlight(rows, picked.clamp(min=0), host, done, self.step_index,
                          {r.slot: j for j, r in enumerate(rows)}, lp, frozenset(af), saved,
-                         flags)
+                         flags, expect)
+
+    def _sampled_rows(self, seqs: list[Seq]):
+        """The step's logit rows that sample (`keep`), the row of each, its position after
+        the row's pending token (`ahead`: its noise index is the row's `known` plus that, as
+        one step at a time would give it), and for each the drafted token it must equal for
+        the row's next sample to count (None where no row verifies drafts).
+
+        A row that took forced tokens samples nothing now (they feed its next forward). A row
+        that fed drafts samples at every position when the token it fed first (committed
+        since) is the draft's first guess; otherwise the keys and values written after that
+        token are void and it samples once."""
+        keep, rows, ahead, expect = [], [], [], []
+        verifying = False
+        for s in seqs:
+            r = s.run
+            if not s.samples or self.runs.get(r.slot) is not r or r.redo is not None:
+                continue
+            n = len(s.draft)
+            if n > 1 and r.fed == r.known + n - 1:
+                if r.generated[-1] == s.draft[0]:
+                    keep.extend(range(s.out, s.out + n))
+                    rows.extend([r] * n)
+                    ahead.extend(range(n))
+                    expect.extend([*s.draft[1:], None])
+                    verifying = True
+                    self.stats["drafted"] += n - 1
+                    if self.metrics is not None:
+                        self.metrics.drafted_tokens.inc(n - 1)
+                    continue
+                r.fed -= n - 1
+            if r.fed == r.known:
+                keep.append(s.out)
+                rows.append(r)
+                ahead.append(0)
+                expect.append(None)
+        return keep, rows, ahead, expect if verifying else None
 
     def _wait_jobs(self, jobs) -> float:
         """Wait for fill-thread jobs (None entries skipped); their fill seconds, summed. The
@@ -811,25 +894,43 @@ class Engine:
             if diverged and self.metrics is not None:
                 self.metrics.tp_divergence.inc()
         lp = _logprob_rows(inflight)
+        expect = inflight.expect
         forced = 0
+        cut: set[int] = set()  # rows whose later samples do not count
         for j, r in enumerate(rows):
-            if self.runs.get(r.slot) is not r:  # released while its token was in flight
+            # Released while its token was in flight, or its earlier sample ended it.
+            if self.runs.get(r.slot) is not r or id(r) in cut:
                 continue
             if not self._advance(r, picked[j], j in diverged, lp.get(j),
                                  j in inflight.accept_first):
                 self._refused(r, inflight, j)
+                cut.add(id(r))
             elif single[j]:
                 r.forced_run += 1
                 forced += 1
             else:
                 r.forced_run = 0
+            if expect is not None and expect[j] is not None and id(r) not in cut:
+                if picked[j] == expect[j]:
+                    self.stats["draft_accepted"] += 1
+                    if self.metrics is not None:
+                        self.metrics.draft_accepted.inc()
+                else:
+                    # The draft after this sample was wrong: the samples after it and the
+                    # forward launched since (it fed the last) are void; the row feeds this
+                    # sample next.
+                    cut.add(id(r))
+                    if self.runs.get(r.slot) is r:
+                        r.fed = len(r.generated) - 1
+        if self.drafts is not None:
+            self._learn(rows, inflight)
         if forced:
             self.stats["forced_tokens"] += forced
             if self.metrics is not None:
                 self.metrics.forced_tokens.inc(forced)
         t["commit"] = time.perf_counter() - t0
-        return [r for r in rows if r.req.matcher is not None and self.runs.get(r.slot) is r
-                and not self._accept_first(r)]
+        return [r for r in {id(r): r for r in rows}.values() if r.req.matcher is not None
+                and self.runs.get(r.slot) is r and not self._accept_first(r)]
 
     def _refused(self, r: Run, inflight: _InFlight, j: int) -> None:
         """Row j's accept-first token was refused by its grammar: back off, and sample it
@@ -842,11 +943,26 @@ class Engine:
         if self.metrics is not None:
             self.metrics.resamples.inc()
         self._accept_first_result(r, refused=True)
-        if r.fed > len(r.generated):
-            r.fed -= 1
+        r.fed = min(r.fed, len(r.generated))
         r.redo = (inflight.saved, j, inflight.flags)
         r.af_next = False  # the token is sampled again masked, whatever the backoff says
         self._redo_next.append(r)
+
+    def _learn(self, rows: list[Run], inflight: _InFlight) -> None:
+        """After a commit: the draft tables learn the committed tokens of the guided rows, and
+        each row still running guesses its next tokens (`Run.draft`), unless it is verifying
+        drafts in the forward launched since (its next sample is then not the one after
+        this commit's tokens)."""
+        seen = set()
+        for r in rows:
+            if id(r) in seen or r.req.grammar is None:
+                continue
+            seen.add(id(r))
+            key = r.req.grammar.key
+            self.drafts.observe(key, r.generated, r.observed)
+            r.observed = len(r.generated)
+            if self.runs.get(r.slot) is r and r.fed <= len(r.generated):
+                r.draft = self.drafts.propose(key, r.generated, 1 + self.cfg.draft_tokens)
 
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
@@ -935,6 +1051,7 @@ class Engine:
         too, unless `grammar_ends` is False)."""
         req = r.req
         r.generated.append(token)
+        r.draft = []  # a guess of what follows the output before this token
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
         if self._generated is not None:
@@ -1013,12 +1130,15 @@ class Engine:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _sampling_batch(self, rows: list[Run]) -> SamplingBatch:
+    def _sampling_batch(self, rows: list[Run], ahead: list[int] | None = None) -> SamplingBatch:
+        """The sampling parameters of `rows`; each samples its token number `known` (plus
+        `ahead[j]` for a position after a drafted token)."""
         reqs = [r.req for r in rows]
+        steps = [r.known for r in rows] if ahead is None else [
+            r.known + a for r, a in zip(rows, ahead, strict=True)]
         return SamplingBatch.from_lists(
             [q.temperature for q in reqs], [q.top_k for q in reqs], [q.top_p for q in reqs],
-            [q.min_p for q in reqs], [q.seed for q in reqs], [r.known for r in rows],
-            device=self.device)
+            [q.min_p for q in reqs], [q.seed for q in reqs], steps, device=self.device)
 
     def _suppress_early_stop(self, logits: torch.Tensor, rows: list[Run]) -> None:
         """EOS and stop ids are not sampled before min_tokens, unless the grammar allows

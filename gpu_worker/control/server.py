@@ -397,6 +397,7 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
                          mask_fill_threads=cfg.mask_fill_threads,
                          forced_tokens=cfg.forced_tokens, accept_first=cfg.accept_first,
                          forced_round_cost=cfg.forced_round_cost,
+                         draft_tokens=cfg.draft_tokens,
                          drain_timeout_s=cfg.drain_timeout_s),
         model, table, ControlChannel(control_group, cfg.tp),
         vocab_size=vocab.vocab_size, model_vocab_size=model.config.vocab_size,

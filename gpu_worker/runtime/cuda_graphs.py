@@ -6,8 +6,8 @@ tokens, each with its own slot, position and context length, whatever mix of dec
 prefill chunks they form, so one graph per padded token count serves every step of that size:
 prefill never forces a step off the graph. Token counts are padded up to the next bucket;
 padding tokens write a dummy key into a scratch slot that no request owns. Each graph returns
-the logits of up to `min(bucket, max_seqs)` rows, one per sequence (its last new token); the
-rest are dropped. Every rank sees the same batches, so every rank captures the same graphs in
+the logits of up to `min(bucket, max_outputs)` tokens: each sequence's last new token, or its
+last few for a row verifying drafted tokens; the rest are dropped. Every rank sees the same batches, so every rank captures the same graphs in
 the same order (collectives inside a capture must match): `capture_all` at start-up.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpu_worker.runtime.model import ForwardBatch, feed_tokens
+from gpu_worker.runtime.model import ForwardBatch, feed_tokens, output_index
 
 # Token-count buckets: fine steps where decode batches live, coarser above (padding ≤ 25 %).
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256,
@@ -32,24 +32,25 @@ class _Graph:
 
 
 class StepGraphs:
-    """Replays steps of up to `max_tokens` new tokens and `max_seqs` sequences of `model`.
+    """Replays steps of up to `max_tokens` new tokens and `max_outputs` tokens with logits of
+    `model`.
 
     `scratch_slot` is a KV-cache slot reserved for padding tokens (the model's cache must have
-    it). `run` returns the (S, vocab) logits of the step's S sequences, a view into the
+    it). `run` returns the (O, vocab) logits of the step's O output tokens, a view into the
     graph's static output that the next replay overwrites.
     """
 
-    def __init__(self, model, max_tokens: int, max_seqs: int, scratch_slot: int):
+    def __init__(self, model, max_tokens: int, max_outputs: int, scratch_slot: int):
         self.model = model
-        self.max_seqs = max_seqs
+        self.max_outputs = max_outputs
         self.scratch_slot = scratch_slot
         self.device = model.tp.device
         self.sizes = [b for b in _BUCKETS if b < max_tokens] + [max_tokens]
         self.graphs: dict[int, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def fits(self, num_tokens: int) -> bool:
-        return num_tokens <= self.sizes[-1]
+    def fits(self, num_tokens: int, num_outputs: int) -> bool:
+        return num_tokens <= self.sizes[-1] and num_outputs <= self.max_outputs
 
     def capture_all(self) -> None:
         """Capture every bucket now (largest first, so smaller ones reuse its pool memory)."""
@@ -58,18 +59,20 @@ class StepGraphs:
                 self._capture(size)
 
     def run(self, slots: list[int], starts: list[int], new_tokens: list[list[int]],
-            feed: tuple[Tensor, list[int], list[int]] | None = None) -> Tensor:
+            feed: tuple[Tensor, list[int], list[int]] | None = None,
+            outputs: list[int] | None = None) -> Tensor:
         """Replay the step. `feed` = (device tokens, dst, src): token dst[i] of the step is
-        device_tokens[src[i]] (see feed_tokens), copied on the device after the inputs."""
+        device_tokens[src[i]] (see feed_tokens), copied on the device after the inputs.
+        `outputs` as in ForwardBatch.build (`fits` must allow their total)."""
         n = sum(len(t) for t in new_tokens)
         size = next(s for s in self.sizes if s >= n)
         g = self.graphs.get(size) or self._capture(size)
-        ids, positions, token_slots, last = [], [], [], []
+        ids, positions, token_slots = [], [], []
         for slot, start, tokens in zip(slots, starts, new_tokens, strict=True):
             ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
             token_slots.extend([slot] * len(tokens))
-            last.append(len(ids) - 1)
+        last = output_index([len(t) for t in new_tokens], outputs)
         pad = size - n
         context = [p + 1 for p in positions] + [1] * pad
         # The previous replay's inputs were consumed before this copy is queued behind it on the
@@ -83,13 +86,13 @@ class StepGraphs:
         if feed is not None:
             feed_tokens(g.inputs[0], *feed)
         g.graph.replay()
-        return g.out[:len(slots)]
+        return g.out[:len(last)]
 
     def _capture(self, size: int) -> _Graph:
         # A static batch whose tensors point at one (5, size) input buffer: ids, positions,
         # slots, contexts, last index. Its host-side lists (one placeholder token in the
         # scratch slot) only pass the forward's checks; slot attention reads the tensors.
-        rows = min(size, self.max_seqs)
+        rows = min(size, self.max_outputs)
         batch = ForwardBatch.build([self.scratch_slot], [0], [[0]], self.device,
                                    slot_attention=True)
         inputs = torch.zeros((5, size), dtype=torch.int64, device=self.device)

@@ -46,7 +46,9 @@ class ForwardBatch:
     starts: list[int]  # tokens already in each slot's KV cache
     lens: list[int]  # new tokens per sequence
     token_slots: Tensor  # (N,) int64, slot of each new token (KV cache write index)
-    last_index: Tensor | None  # (S,) flat index of each sequence's last token; None when N == S
+    # (O,) flat index of each token whose logits the step returns: the last `outputs[i]` new
+    # tokens of sequence i (its last one by default); None when every token is one (N == O == S)
+    last_index: Tensor | None
     decode_seqs: list[int]  # sequences with one new token, batched into one attention call
     decode_token_index: Tensor | None  # (D,) their flat token index; None when all decode
     decode_slots: Tensor  # (D,) int64
@@ -70,8 +72,11 @@ class ForwardBatch:
     @classmethod
     def build(cls, slots: list[int], starts: list[int], new_tokens: list[list[int]],
               device: torch.device | str, *, decode_window: int | None = None,
-              slot_attention: bool = False) -> ForwardBatch:
+              slot_attention: bool = False, outputs: list[int] | None = None) -> ForwardBatch:
         """Build the step's tensors (one host-to-device copy per tensor).
+
+        `outputs[i]`: how many of sequence i's last new tokens get logits (1 each by default;
+        a row verifying drafted tokens needs them at every position, `output_index`).
 
         `decode_window` fixes the number of keys the batched decode attention reads (a CUDA
         graph needs the same shapes every replay); by default it is the longest decode
@@ -105,6 +110,7 @@ class ForwardBatch:
         if context and window < max(context):
             raise ValueError(f"decode_window {window} is shorter than a decode context {max(context)}")
         all_decode = len(decode) == len(slots)
+        out = output_index(lens, outputs)
 
         def tensor(values: list[int]) -> Tensor:
             return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
@@ -112,7 +118,7 @@ class ForwardBatch:
         return cls(
             input_ids=tensor(ids), positions=tensor(positions), slots=list(slots),
             starts=list(starts), lens=lens, token_slots=tensor(token_slots),
-            last_index=None if all_decode else tensor(last),
+            last_index=None if all_decode else tensor(out),
             decode_seqs=decode,
             decode_token_index=None if all_decode else tensor([last[i] for i in decode]),
             decode_slots=tensor(decode_slots), decode_context=tensor(context),
@@ -120,6 +126,20 @@ class ForwardBatch:
                 range(decode_slots[0], decode_slots[0] + len(decode_slots))) else None),
             decode_window=window, prefill_seqs=prefill,
             token_context=tensor([p + 1 for p in positions]) if slot_attention else None)
+
+
+def output_index(lens: list[int], outputs: list[int] | None) -> list[int]:
+    """Flat indices of the tokens that get logits: the last `outputs[i]` (default 1) of the
+    `lens[i]` new tokens of each sequence, sequence-major. Raises ValueError for a count
+    outside 1..lens[i]."""
+    index, at = [], 0
+    for i, n in enumerate(lens):
+        k = 1 if outputs is None else outputs[i]
+        if not 1 <= k <= n:
+            raise ValueError(f"outputs[{i}]: {k} logits asked of a sequence of {n} new tokens")
+        index.extend(range(at + n - k, at + n))
+        at += n
+    return index
 
 
 def feed_tokens(input_ids: torch.Tensor, source: torch.Tensor, dst: list[int],
@@ -381,8 +401,9 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> Tensor:
-        """Run one step: returns (S, vocab_size) float32 logits of the last new token of each
-        sequence, the full row on every rank. Writes the new tokens' K/V into their slots.
+        """Run one step: returns (O, vocab_size) float32 logits, one row per output token
+        (`last_index`: each sequence's last new token unless the batch asked for more), the
+        full row on every rank. Writes the new tokens' K/V into their slots.
         Raises RuntimeError before any cache write when no cache is allocated and ValueError
         when a sequence would run past the cache's max_len or its slot does not exist."""
         if self.k_cache is None:
@@ -399,8 +420,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch, masks, self.k_cache[i], self.v_cache[i])
         if batch.last_index is not None:
-            h = h.index_select(0, batch.last_index)  # (S, hidden)
-        return self.lm_head(self.norm(h))  # (S, vocab) float32
+            h = h.index_select(0, batch.last_index)  # (O, hidden)
+        return self.lm_head(self.norm(h))  # (O, vocab) float32
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq  # (N, hd/2), float32

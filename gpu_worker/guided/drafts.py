@@ -1,0 +1,80 @@
+"""Drafted tokens: guesses of a guided row's next tokens that the model checks in one step.
+
+A guided row sampled with temperature only (the accept-first rows) feeds, besides its newest
+token, a guess of the tokens after it, and gets logits at every position. Each position is
+sampled as the row would sample it one step at a time (its own noise index, unmasked, the
+token then checked by the row's matcher like any accept-first token), and the samples are kept
+while each equals the guess fed after it: sample j saw exactly the context a step-by-step
+decode would have given it, so the output is the same tokens with fewer steps. A wrong guess
+costs positions of the forward and, the row's next forward being launched before the guess is
+checked, that one forward for the row (gpu_worker.control.engine has the pipeline).
+
+The guesses come from what the rank's earlier outputs of the same grammar did next after the
+same last few tokens (an n-gram table per grammar): structured outputs of one schema repeat
+their keys, punctuation and enum values, which is most of what a fine-tuned model writes
+the same way each time. The tables are filled from committed tokens only, in commit order,
+so every rank of a group holds the same tables and plans the same steps (I2/I3).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class DraftTables:
+    """Per grammar key, the token that last followed each context of 1..`order` tokens.
+
+    `max_grammars` tables at most (the least recently used is dropped); a table past
+    `max_entries` contexts starts again empty. Both rules depend only on the calls, so ranks
+    that make the same calls hold the same tables."""
+
+    def __init__(self, order: int = 4, max_grammars: int = 256, max_entries: int = 1 << 16):
+        if order < 1:
+            raise ValueError("order must be >= 1")
+        self.order = order
+        self.max_grammars = max_grammars
+        self.max_entries = max_entries
+        self._tables: OrderedDict[str, dict[tuple[int, ...], int]] = OrderedDict()
+
+    def _table(self, key: str) -> dict[tuple[int, ...], int]:
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = {}
+            if len(self._tables) > self.max_grammars:
+                self._tables.popitem(last=False)
+        else:
+            self._tables.move_to_end(key)
+        return table
+
+    def observe(self, key: str, tokens: list[int], start: int) -> None:
+        """Learn from `tokens[start:]`, each after the tokens before it in `tokens`."""
+        if start >= len(tokens):
+            return
+        table = self._table(key)
+        if len(table) > self.max_entries:
+            table.clear()
+        order = self.order
+        for j in range(max(start, 1), len(tokens)):
+            token = tokens[j]
+            for n in range(1, min(order, j) + 1):
+                table[tuple(tokens[j - n:j])] = token
+
+    def propose(self, key: str, tokens: list[int], n: int) -> list[int]:
+        """Up to `n` guessed tokens to follow `tokens`: each the one that last followed the
+        longest context seen (of up to `order` tokens), the guesses so far included. Empty
+        when the grammar has no table or no context matches."""
+        table = self._tables.get(key)
+        if not table or not tokens:
+            return []
+        context = tokens[-self.order:]
+        out: list[int] = []
+        while len(out) < n:
+            for k in range(min(self.order, len(context)), 0, -1):
+                token = table.get(tuple(context[-k:]))
+                if token is not None:
+                    break
+            else:
+                break
+            out.append(token)
+            context = context[1:] + [token] if len(context) == self.order else context + [token]
+        return out

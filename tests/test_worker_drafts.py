@@ -1,0 +1,180 @@
+"""Drafted tokens (gpu_worker.guided.drafts) change how many steps a row takes, never a token.
+
+Three engines in process, 48 slots each, the same requests: every shortcut off (mask-first
+sampling, the reference), forced tokens and accept-first without drafts, and all three. The
+requests are those of tests/test_worker_shortcuts.py (JSON schemas, a regex, a choice list,
+EBNF, a forced literal; xgrammar and llguidance; greedy, seeded temperature, top-p and
+logprobs rows; unguided neighbours) plus rows under a permissive regex, which the test
+model's random weights mostly follow, so that accept-first holds and drafts get verified:
+their prompts repeat, so later rows meet tables filled by earlier ones (and by their own
+loops), and some are cut by small max_tokens in the middle of a draft. Real model, real
+backends, the real Triton kernel under the interpreter. The TP=2 comparison over real worker
+processes is in tests/test_worker_tp.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import xgrammar as xgr
+from engine_harness import EngineHarness
+from test_worker_shortcuts import SAMPLINGS, grammars, requests
+
+from gpu_worker.control.engine import LENGTH, Request
+from gpu_worker.guided.drafts import DraftTables
+from gpu_worker.guided.grammar_cache import GrammarHandle
+from grammar_service.backends import LLGUIDANCE, VocabView
+from grammar_service.default_model import ensure_default_model
+from grammar_service.specs import parse_spec
+from protos import common_pb2
+
+PERMISSIVE = r"[^\n]{0,400}"
+# (forced tokens, accept-first, draft tokens)
+CONFIGS = {"off": (False, False, 0), "no_drafts": (True, True, 0), "drafts": (True, True, 2)}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ensure_default_model(tmp_path_factory.mktemp("models"))
+
+
+def permissive(vocab):
+    """The permissive regex compiled by each backend: (name, compiled, new matcher)."""
+    compiled = xgr.GrammarCompiler(vocab.tokenizer_info(), max_threads=1).compile_regex(
+        PERMISSIVE)
+    llg = VocabView.of(vocab).backends()[LLGUIDANCE]
+    spec = common_pb2.GrammarSpec(regex=PERMISSIVE, options=common_pb2.GrammarOptions(
+        backend=common_pb2.GRAMMAR_BACKEND_LLGUIDANCE))
+    llg_compiled = llg.compile(parse_spec(spec))
+    return [("perm-xgr", lambda: xgr.GrammarMatcher(compiled)),
+            ("perm-llg", lambda: llg.new_matcher(llg_compiled))]
+
+
+def keyed(req: Request, key: str) -> Request:
+    """The request with a grammar handle named `key`, as a rank's grammar cache gives it (the
+    draft tables are per grammar key)."""
+    req.grammar = GrammarHandle(key, None, None, 0)
+    return req
+
+
+def draft_requests(vocab, constraints, llg) -> list[Request]:
+    """Permissive rows (some cut short by max_tokens), the shortcut test's requests, then the
+    permissive rows' prompts again: the second wave starts once slots free up, with tables
+    filled by the first."""
+    def wave(tag: str) -> list[Request]:
+        reqs = []
+        for name, matcher in permissive(vocab):
+            for i in range(12):
+                sampling = SAMPLINGS["greedy"] if i % 2 == 0 else {"temperature": 1.0, "seed": i}
+                req = Request(request_id=f"{name}/{tag}{i}", prompt=vocab.encode(f"loop {i % 3}"),
+                              max_tokens=3 + i if i < 6 else 80, **sampling)
+                req.matcher = matcher()
+                reqs.append(keyed(req, name))
+        return reqs
+    reqs = wave("a")
+    for req in requests(vocab, constraints, llg):
+        if req.matcher is not None:
+            keyed(req, req.request_id.split("/")[0])
+        reqs.append(req)
+    return reqs + wave("b")
+
+
+@pytest.fixture(scope="module")
+def results(model_dir):
+    out = {}
+    for config, (forced, accept_first, drafts) in CONFIGS.items():
+        harness = EngineHarness(model_dir, slots=48, max_model_len=128, step_tokens=256,
+                                forced_tokens=forced, accept_first=accept_first,
+                                draft_tokens=drafts)
+        constraints, llg = grammars(harness.vocab)
+        reqs = draft_requests(harness.vocab, constraints, llg)
+        assert len(reqs) >= 48
+        out[config] = (harness.run(reqs), dict(harness.engine.stats))
+    return out
+
+
+def test_drafts_give_the_tokens_of_mask_first_sampling(results):
+    base = results["off"][0]
+    for config in ("no_drafts", "drafts"):
+        outs = results[config][0]
+        assert outs.keys() == base.keys()
+        for rid, want in base.items():
+            got = outs[rid]
+            assert (got.tokens, got.reason) == (want.tokens, want.reason), (config, rid)
+            assert len(got.logprobs) == len(want.logprobs), (config, rid)
+            for a, b in zip(got.logprobs, want.logprobs, strict=True):
+                assert a[1] == b[1] and a[0] == pytest.approx(b[0], abs=1e-4), (config, rid)
+
+
+def test_drafts_are_verified_kept_and_cut_and_save_steps(results):
+    stats, plain = results["drafts"][1], results["no_drafts"][1]
+    assert plain.get("drafted", 0) == 0 and results["off"][1].get("drafted", 0) == 0
+    assert stats["drafted"] > 20, stats
+    # Some agree with the model (each saves a step), some do not (cut where they differ).
+    assert 0 < stats["draft_accepted"] < stats["drafted"], stats
+    assert stats["row_forwards"] < plain["row_forwards"], (stats, plain)
+
+
+def test_a_draft_cut_by_max_tokens_ends_exactly_there(results):
+    base = results["off"][0]
+    outs = results["drafts"][0]
+    cut = 0
+    for name in ("perm-xgr", "perm-llg"):
+        for rid in (f"{name}/{tag}{i}" for tag in "ab" for i in range(6)):
+            got = outs[rid]
+            assert got.tokens == base[rid].tokens, rid
+            if got.reason == LENGTH:
+                assert len(got.tokens) == 3 + int(rid[-1]), rid
+                cut += 1
+    assert cut >= 12
+
+
+def test_top_p_and_logprobs_rows_never_draft(model_dir):
+    """The same permissive rows draft when sampled with temperature only, never with top-p or
+    logprobs (mask-first: their distribution depends on the mask)."""
+    def run(samplings):
+        harness = EngineHarness(model_dir, slots=8, forced_tokens=True, accept_first=True,
+                                draft_tokens=2)
+        reqs = []
+        for name, matcher in permissive(harness.vocab):
+            for n, sname in enumerate(samplings * 4):
+                req = Request(request_id=f"{name}/{sname}/{n}",
+                              prompt=harness.vocab.encode("loop 0"), max_tokens=40,
+                              **SAMPLINGS[sname])
+                req.matcher = matcher()
+                reqs.append(keyed(req, name))
+        harness.run(reqs)
+        return harness.engine.stats
+    assert run(["topp", "logprobs"]).get("drafted", 0) == 0
+    assert run(["greedy", "t1"])["drafted"] > 0
+
+
+def test_draft_tables_guess_from_the_longest_context_seen():
+    t = DraftTables(order=3)
+    assert t.propose("g", [1, 2], 3) == []
+    t.observe("g", [1, 2, 3, 4, 5], 0)
+    assert t.propose("g", [9, 1, 2], 3) == [3, 4, 5]
+    assert t.propose("g", [4], 2) == [5]       # nothing followed 5
+    t.observe("g", [7, 2, 8], 0)               # after (2,) now 8; after (1, 2) still 3
+    assert t.propose("g", [1, 2], 1) == [3]
+    assert t.propose("g", [6, 2], 1) == [8]
+    assert t.propose("other", [1, 2], 3) == []
+    t.observe("g", [1, 2, 3, 4, 5, 6], 5)      # only the new token: after (3, 4, 5) comes 6
+    assert t.propose("g", [3, 4, 5], 1) == [6]
+    assert t.propose("g", [1, 2, 3], 4) == [4, 5, 6]
+
+
+def test_draft_tables_forget_the_same_way_on_every_rank():
+    def fill(t):
+        for g in range(5):
+            t.observe(f"g{g}", list(range(g, g + 40)), 0)
+        t.observe("g1", [100, 101], 0)
+        return [t.propose(f"g{g}", [g, g + 1], 3) for g in range(5)]
+    a, b = DraftTables(max_grammars=3, max_entries=50), DraftTables(max_grammars=3, max_entries=50)
+    assert fill(a) == fill(b)
+    guesses = fill(DraftTables(max_grammars=3, max_entries=50))
+    assert guesses[0] == [] and guesses[1] == []   # g0 and g1's first table dropped (LRU)
+    assert guesses[4] == [6, 7, 8]
+    t = DraftTables(order=2, max_entries=10)
+    t.observe("g", list(range(20)), 0)             # 37 contexts: past the limit
+    t.observe("g", [50, 51], 0)                    # starts again empty
+    assert t.propose("g", [50], 1) == [51] and t.propose("g", [3], 1) == []
