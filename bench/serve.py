@@ -240,7 +240,9 @@ def scrape(url: str) -> dict[str, float]:
         elif (name in ("gramserve_worker_forced_tokens_total", "gramserve_worker_mask_fills_total",
                        "gramserve_worker_accept_first_total", "gramserve_worker_resamples_total",
                        "gramserve_worker_decode_row_forwards_total",
-                       "gramserve_worker_forced_chain_rounds_total")
+                       "gramserve_worker_forced_chain_rounds_total",
+                       "gramserve_worker_drafted_tokens_total",
+                       "gramserve_worker_draft_accepted_total")
               or (name == "gramserve_worker_tokens_total" and labels.get("kind") == "generated")):
             key = "counter:" + name.removeprefix("gramserve_worker_").removesuffix("_total")
             out[key] = float(value)
@@ -256,7 +258,9 @@ def metrics_delta(before: dict, after: dict) -> dict[str, float]:
         for name, key in (("forced_share", "forced_tokens"), ("fills_per_token", "mask_fills"),
                           ("steps_per_token", "decode_row_forwards"),
                           ("accept_first_per_token", "accept_first"),
-                          ("resamples_per_token", "resamples")):
+                          ("resamples_per_token", "resamples"),
+                          ("drafted_per_token", "drafted_tokens"),
+                          ("draft_accepted_per_token", "draft_accepted")):
             out[name] = round(d.get(f"counter:{key}", 0.0) / generated, 4)
     steps = sum(n for k, n in d.items() if k.startswith("gramserve_worker_step_seconds_count"))
     if steps > 0:  # fill rounds on the critical path that followed forced chains
@@ -346,11 +350,12 @@ def interleave(plans: dict[str, list], rounds: int):
                     yield rnd, run, name
 
 
-# --shortcuts settings: (forced tokens, accept-first, forced round cost) of the worker; the
-# round cost None is the worker's default, 0 follows every forced chain at once (every round)
-SHORTCUTS = {"on": (True, True, None), "off": (False, False, None),
-             "forced": (True, False, None), "accept-first": (False, True, None),
-             "every-round": (True, True, 0.0)}
+# --shortcuts settings: (forced tokens, accept-first, forced round cost, draft tokens) of the
+# worker; None is the worker's default; a round cost of 0 follows every forced chain at once
+# (every round)
+SHORTCUTS = {"on": (True, True, None, None), "off": (False, False, None, 0),
+             "forced": (True, False, None, 0), "accept-first": (False, True, None, 0),
+             "every-round": (True, True, 0.0, None), "no-drafts": (True, True, None, 0)}
 
 
 def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
@@ -588,7 +593,7 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
     head = ("| concurrency | family | guided | shortcuts | output tok/s | req/s | "
             "TTFT p50 / p99 ms | inter-token p50 / p99 ms | tok/delta | errors | schema-valid | "
             "service eff. | guided ÷ unguided | ÷ HF | forced share | mask fills / out tok | "
-            "steps / out tok | CPU cores gateways Σ / max / rank 0 |")
+            "steps / out tok | drafts kept / out tok | CPU cores gateways Σ / max / rank 0 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     # guided ÷ unguided against the unguided run of the same shortcuts setting and round
     plain = {(r["concurrency"], r.get("shortcuts"), r.get("round", 1)):
@@ -603,7 +608,8 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
         ratio_g = f"{tps / base:.2f}" if r["ratio"] > 0 and base else "–"
         w = r.get("worker", {})
         shares = " | ".join(f"{w[k]:.3f}" if k in w else "–" for k in
-                            ("forced_share", "fills_per_token", "steps_per_token"))
+                            ("forced_share", "fills_per_token", "steps_per_token",
+                             "draft_accepted_per_token"))
         ref = hf_plain if r["ratio"] == 0 else (
             hf.get(f"hf_xgrammar_{r['family']}", {}).get("tokens_per_s")
             if r["ratio"] == 1.0 else None)
@@ -621,7 +627,7 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
             f"{shares} | "
             f"{r['cpu_cores'].get('gateways_sum', '–')} / "
             f"{r['cpu_cores'].get('gateways_max', '–')} / {r['cpu_cores'].get('rank0', '–')} |")
-    blank = " – | – | – | – | – | – | – | – | – | – | – | – | – |"
+    blank = " – | – | – | – | – | – | – | – | – | – | – | – | – | – |"
     for key, value in alone.items():
         what = (f"engine alone, decode step {value['ms']:.2f} ms" if key.startswith("decode")
                 else f"engine alone, whole step {value['ms']:.2f} ms")
@@ -641,13 +647,13 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
 
 
 def settings_ratios(rows: list[dict]) -> list[str]:
-    """Lines 'shortcuts <setting> ÷ off' (and '<setting> ÷ <setting>@base': this code over
-    the base tree's) per run measured under both: output tokens/s of the same round,
-    interleaved, and their median over rounds."""
+    """Lines 'shortcuts <setting> ÷ off' and 'on ÷ no-drafts' (and '<setting> ÷
+    <setting>@base': this code over the base tree's) per run measured under both: output
+    tokens/s of the same round, interleaved, and their median over rounds."""
     tps = {(r["concurrency"], r["family"], r["ratio"], r.get("shortcuts"), r.get("round", 1)):
            r["output_tokens_per_second"] for r in rows}
     present = dict.fromkeys(k[3] for k in tps)
-    compared = [(s, "off") for s in SHORTCUTS if s != "off"]
+    compared = [(s, "off") for s in SHORTCUTS if s != "off"] + [("on", "no-drafts")]
     compared += [(s.removesuffix("@base"), s) for s in present if s and s.endswith("@base")]
     out = []
     for setting, ref in compared:
@@ -737,10 +743,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(pyspy-<name>-<role>-gil.txt): against the wall-clock profile, "
                         "the time a thread waits for the GIL")
     p.add_argument("--shortcuts", default="on,off",
-                   help="worker forced tokens and accept-first, one stack per setting: on, "
-                        "off, forced (forced tokens only), accept-first (accept-first only), "
-                        "every-round (both on, every forced chain followed at once: "
-                        "--forced-round-cost 0), comma-separated; a setting ending in @base "
+                   help="worker forced tokens, accept-first and drafts, one stack per "
+                        "setting: on (the worker's defaults), off, forced (forced tokens "
+                        "only), accept-first (accept-first only), no-drafts (both, no drafts: "
+                        "--draft-tokens 0), every-round (all on, every forced chain followed "
+                        "at once: --forced-round-cost 0), comma-separated; a setting ending in @base "
                         "runs the code of --base-tree; stacks after the first run "
                         "--variant-runs")
     p.add_argument("--base-tree", type=Path, default=None,
@@ -893,11 +900,13 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
         for shortcuts in ns.shortcuts:
             # The worker's --forced-tokens / --accept-first, through their GRAMSERVE_ variables.
             setting, _, tree = shortcuts.partition("@")
-            forced, accept_first, round_cost = SHORTCUTS[setting]
+            forced, accept_first, round_cost, drafts = SHORTCUTS[setting]
             variant_env = dict(env, GRAMSERVE_FORCED_TOKENS=str(int(forced)),
                                GRAMSERVE_ACCEPT_FIRST=str(int(accept_first)))
             if round_cost is not None:
                 variant_env["GRAMSERVE_FORCED_ROUND_COST"] = str(round_cost)
+            if drafts is not None:
+                variant_env["GRAMSERVE_DRAFT_TOKENS"] = str(drafts)
             cwd = ROOT
             if tree:  # `python -m` puts its directory first on the path, then PYTHONPATH's
                 cwd = ns.base_tree
