@@ -16,6 +16,15 @@ draftable tokens before it, are a prefix of the forced bytes. Printed per family
   better), i.e. steps = positions reached by jumping `1 + draftable` tokens at a time.
 The stop token counts as an output token.
 
+And what the engine's drafts (gpu_worker.guided.drafts, `--draft-tokens`) would give on the
+same outputs, the model agreeing with every one of them but guessed tokens checked for real:
+the instances stream through one DraftTables as a rank's commits would fill it (keyed by
+schema; the first `--warm` instances fill it and are not counted), and each row follows the
+engine's pipeline: where its guess after the committed tokens has two tokens or more and its
+first is the pending token, the step feeds the rest and yields the samples up to the first
+wrong guess plus one; the next step, launched before that is known, yields one more token if
+every guess held and nothing otherwise; a row then drafts again from its next commit.
+
 By default the schemas compile as a client sends them with default options (JSON Schema
 semantics: any property order, unlisted properties allowed, so no key is forced); `--strict`
 and `--fixed-order` compile them as OpenAI's strict structured outputs generate (unlisted
@@ -35,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.schema_verdicts import Judge  # noqa: E402
 from bench.train_json import instance  # noqa: E402
 from gateway.loadgen import load_schemas  # noqa: E402
+from gpu_worker.guided.drafts import DraftTables  # noqa: E402
 
 LAYOUTS = {"compact": (",", ":"), "spaced": (", ", ": ")}
 
@@ -68,6 +78,28 @@ def steps(draftable: list[int]) -> int:
     return n
 
 
+def draft_steps(tables: DraftTables, key: str, tokens: list[int], draft_tokens: int) -> int:
+    """Steps of one output under the engine's drafts (see the module docstring); the first
+    token comes from the prefill step."""
+    produced, steps = 1, 1
+    while produced < len(tokens):
+        steps += 1
+        pending = produced - 1  # committed: tokens[:pending]; on the device: tokens[pending]
+        guess = tables.propose(key, tokens[:pending], 1 + draft_tokens)
+        if len(guess) < 2 or guess[0] != tokens[pending]:
+            produced += 1
+            continue
+        kept = 0  # samples after the first that count: each guess before them held
+        while kept + 1 < len(guess) and produced + kept < len(tokens) \
+                and guess[kept + 1] == tokens[produced + kept]:
+            kept += 1
+        produced += kept + 1
+        if produced < len(tokens):
+            steps += 1  # launched before the guesses are checked
+            produced += kept + 1 == len(guess)
+    return steps
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, default=None)
@@ -77,6 +109,10 @@ def main(argv=None) -> int:
     parser.add_argument("--strict", action="store_true", help="GrammarOptions.strict")
     parser.add_argument("--fixed-order", action="store_true",
                         help="GrammarOptions.fixed_property_order")
+    parser.add_argument("--draft-tokens", type=int, default=2,
+                        help="the engine's --draft-tokens for the drafts column")
+    parser.add_argument("--warm", type=int, default=50,
+                        help="instances that fill the draft tables before counting")
     ns = parser.parse_args(argv)
     options = {k: True for k, on in (("strict", ns.strict),
                                      ("fixed_property_order", ns.fixed_order)) if on}
@@ -86,7 +122,8 @@ def main(argv=None) -> int:
     judge = Judge(load_vocab(model_dir(ns.tokenizer)))
     print(f"vocabulary {judge.vocab.model_vocab_size} tokens, {ns.instances} instances per row; "
           f"options {options or 'default'}; steps per output token (the stop token counted)")
-    print(f"{'family':8} {'layout':8} {'tokens':>7} {'with a draft':>13} {'draft bound':>12}")
+    print(f"{'family':8} {'layout':8} {'tokens':>7} {'with a draft':>13} {'draft bound':>12} "
+          f"{'drafts':>8}")
     for family in ns.families.split(","):
         schemas = [json.loads(s) for s in load_schemas(family)]
         builds = [judge.build(s, "gramserve", **options) for s in schemas]
@@ -95,16 +132,21 @@ def main(argv=None) -> int:
         for layout, separators in LAYOUTS.items():
             rng = random.Random(ns.seed)
             total = drafted = draft = 0
-            for _ in range(ns.instances):
+            tables, counted, engine = DraftTables(), 0, 0
+            for n in range(ns.warm + ns.instances):
                 i = rng.randrange(len(schemas))
                 text = json.dumps(instance(schemas[i], rng), separators=separators)
                 tokens = judge.vocab.encode(text, add_special_tokens=False)
-                draftable = walk(judge, builds[i], tokens)
-                total += len(draftable)
-                drafted += sum(1 for d in draftable if d)
-                draft += steps(draftable)
+                if n >= ns.warm:
+                    draftable = walk(judge, builds[i], tokens)
+                    total += len(draftable)
+                    drafted += sum(1 for d in draftable if d)
+                    draft += steps(draftable)
+                    engine += draft_steps(tables, str(i), tokens + [-1], ns.draft_tokens)
+                    counted += len(tokens) + 1
+                tables.observe(str(i), tokens + [-1], 0)
             print(f"{family:8} {layout:8} {total:7d} {drafted / total:13.3f} "
-                  f"{draft / total:12.3f}")
+                  f"{draft / total:12.3f} {engine / counted:8.3f}")
     return 0
 
 
