@@ -57,3 +57,27 @@ def test_mixed_step_logits_equal_with_slot_attention_and_sdpa(tmp_path, family):
     torch.testing.assert_close(b1, a1, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(b2, a2, rtol=1e-4, atol=1e-4)
     assert torch.equal(a2.argmax(-1), b2.argmax(-1))
+
+
+@pytest.mark.parametrize("slot_attention", [False, True])
+def test_logits_at_several_positions_of_a_row_equal_one_token_a_step(tmp_path, slot_attention):
+    """A row verifying drafts feeds several tokens and asks logits at each (`outputs`): they are
+    the logits a decode of those tokens one per step gives, beside an ordinary decode row."""
+    model_dir = ensure_default_model(tmp_path / "models")
+    device = torch.device("cpu")
+    model = load_model(model_dir, TPGroup(0, 1, None, device), torch.float32, device)
+    model.allocate_kv_cache(3, 64)
+    prompt, drafted = [5, 6, 7, 8], [30, 31, 32]
+    model(ForwardBatch.build([0, 1], [0, 0], [prompt, prompt], device,
+                             slot_attention=slot_attention))
+    step = model(ForwardBatch.build([0, 1], [4, 4], [drafted, [40]], device,
+                                    slot_attention=slot_attention, outputs=[3, 1]))
+    assert step.shape[0] == 4
+    one = [model(ForwardBatch.build([2], [0], [prompt + drafted[:1]], device,
+                                    slot_attention=slot_attention))]
+    for n, token in enumerate(drafted[1:], start=5):
+        one.append(model(ForwardBatch.build([2], [n], [[token]], device,
+                                            slot_attention=slot_attention)))
+    torch.testing.assert_close(step[:3], torch.cat(one), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"outputs\[0\]"):
+        ForwardBatch.build([0], [7], [[1, 2]], device, outputs=[3])

@@ -13,7 +13,7 @@ One step, identical on every rank:
      token into its own matcher (I1), dead ends fail one request (I6), finished slots are
      freed with every piece of their state dropped (I5).
 
-Two shortcuts do less work for exactly the same tokens (each can be turned off):
+Three shortcuts do less work for exactly the same tokens (each can be turned off):
 - Forced tokens (`forced_tokens`): the step loop is overlapped (the forward launched while
   a row's token is found already had the token before it), so a lone forced token saves no
   step, nor does the first of a chain, and following a chain at once costs a fill round on
@@ -49,6 +49,18 @@ Two shortcuts do less work for exactly the same tokens (each can be turned off):
   is decided when its previous token is accepted (its mask fill starts then, or never).
   (Every rank sees the same acceptances in the same order, so every rank makes the same
   choices.)
+- Drafts (`draft_tokens`, gpu_worker.guided.drafts): an accept-first row whose token is
+  pending on the device feeds after it up to `draft_tokens` guessed tokens (the guess made at
+  its last commit, whose first token is the guess of the pending one) and gets logits at
+  every position (`Seq.draft`). Once the commit before the sampling point shows the pending
+  token was the first guess, each position is sampled with its own noise index, unmasked,
+  like any accept-first token; otherwise only the first, and the keys written after it are
+  void. The commit keeps the samples while each equals the guess fed after it (a refused one
+  is sampled again as above) and stops at the first that differs: that one is the row's next
+  input. The row's next forward, launched before that commit, fed its last sample as if every
+  guess held; where one did not, that forward's output for the row is dropped (the row lost
+  that step, the batch nothing) and the row feeds its true last token next. Rows draft every
+  other step at most: a guess is made only from committed tokens.
 
 Drain (SIGTERM): `drain()` asks this rank's group to start nothing more and to end once its
 running rows finish, within `drain_timeout_s`. The request travels in the control all-reduce
