@@ -47,6 +47,7 @@ from gateway.loadgen import load_schemas  # noqa: E402
 from gpu_worker.guided.drafts import DraftTables  # noqa: E402
 
 LAYOUTS = {"compact": (",", ":"), "spaced": (", ", ": ")}
+STOP = (1 << 24) - 1  # the stop token in the drafts column: an id no tokenizer here uses
 
 
 def walk(judge: Judge, build, tokens: list[int]) -> list[int]:
@@ -142,9 +143,9 @@ def main(argv=None) -> int:
                     total += len(draftable)
                     drafted += sum(1 for d in draftable if d)
                     draft += steps(draftable)
-                    engine += draft_steps(tables, str(i), tokens + [-1], ns.draft_tokens)
+                    engine += draft_steps(tables, str(i), tokens + [STOP], ns.draft_tokens)
                     counted += len(tokens) + 1
-                tables.observe(str(i), tokens + [-1], 0)
+                tables.observe(str(i), tokens + [STOP], 0)
             print(f"{family:8} {layout:8} {total:7d} {drafted / total:13.3f} "
                   f"{draft / total:12.3f} {engine / counted:8.3f}")
     return 0

@@ -156,6 +156,32 @@ def time_mixed_step(model: Transformer, batch: int, chunk: int, *, context: int,
     return out
 
 
+def time_draft_step(model: Transformer, batch: int, drafts: int, *, context: int,
+                    steps: int = 30, warmup: int = 5) -> float:
+    """Median ms of a graphed step in which each of `batch` rows feeds 1 + `drafts` tokens
+    and gets logits at each (a row verifying drafts, gpu_worker.guided.drafts), every output
+    then sampled (the fused Gumbel-max): the device's cost of checking drafts."""
+    from gpu_worker.sampling.sampler import SamplingBatch, sample
+
+    device = model.tp.device
+    width = 1 + drafts
+    n = batch * width
+    graphs = StepGraphs(model, n, n, scratch_slot=model.k_cache.shape[1] - 1)
+    params = SamplingBatch.from_lists([1.0] * n, [0] * n, [1.0] * n, [0.0] * n, [1] * n,
+                                      list(range(n)), device=device)
+    slots, rows = list(range(batch)), [[7] * width] * batch
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = graphs.run(slots, [context] * batch, rows, outputs=[width] * batch)
+        sample(logits, params)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def time_hf_generate(hf, prompts: Tensor, new_tokens: int) -> dict:
     """Decode-only step time of transformers' greedy generate on `prompts` (batch, context)."""
     device = next(hf.parameters()).device
@@ -315,6 +341,8 @@ def main() -> None:
     parser.add_argument("--skip-forward-table", action="store_true")
     parser.add_argument("--fill-threads-sweep", action="store_true",
                         help="also time the guided step with several mask-fill thread counts")
+    parser.add_argument("--drafts-table", action="store_true",
+                        help="CUDA: the graphed step with 0, 1, 2, 4 drafted tokens per row")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table of the engine step")
     args = parser.parse_args()
@@ -357,6 +385,18 @@ def main() -> None:
                                   context=args.context, steps=10, profile=prof)
                 print(f"\n## Profile of 10 engine steps, batch {max(batches)}, guided={guided}")
                 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+        if device.type == "cuda" and args.drafts_table:
+            print(f"\n## Graphed step + sampling, each row feeding 1 + d tokens with logits at "
+                  f"each (drafts), context {args.context}")
+            print("| batch | d | tokens | step ms | ÷ d=0 | ms per token |")
+            print("|---|---|---|---|---|---|")
+            for batch in batches:
+                base = None
+                for d in (0, 1, 2, 4):
+                    ms = time_draft_step(model, batch, d, context=args.context, steps=args.steps)
+                    base = base or ms
+                    print(f"| {batch} | {d} | {batch * (1 + d)} | {ms:.2f} | {ms / base:.2f} | "
+                          f"{ms / (batch * (1 + d)) * 1e3:.1f} µs |", flush=True)
         if device.type == "cuda":
             print("\n## Graphed step: decode rows + one prefill chunk vs decode rows alone")
             print("| batch | chunk tokens | decode ms | mixed ms | mixed/decode |")
