@@ -66,7 +66,7 @@ def draft_requests(vocab, constraints, llg) -> list[Request]:
             for i in range(12):
                 sampling = SAMPLINGS["greedy"] if i % 2 == 0 else {"temperature": 1.0, "seed": i}
                 req = Request(request_id=f"{name}/{tag}{i}", prompt=vocab.encode(f"loop {i % 3}"),
-                              max_tokens=3 + i if i < 6 else 80, **sampling)
+                              max_tokens=3 + i if i < 6 else 48, **sampling)
                 req.matcher = matcher()
                 reqs.append(keyed(req, name))
         return reqs
@@ -132,13 +132,13 @@ def test_top_p_and_logprobs_rows_never_draft(model_dir):
     """The same permissive rows draft when sampled with temperature only, never with top-p or
     logprobs (mask-first: their distribution depends on the mask)."""
     def run(samplings):
-        harness = EngineHarness(model_dir, slots=8, forced_tokens=True, accept_first=True,
+        harness = EngineHarness(model_dir, slots=4, forced_tokens=True, accept_first=True,
                                 draft_tokens=2)
         reqs = []
         for name, matcher in permissive(harness.vocab):
-            for n, sname in enumerate(samplings * 4):
+            for n, sname in enumerate(samplings * 2):
                 req = Request(request_id=f"{name}/{sname}/{n}",
-                              prompt=harness.vocab.encode("loop 0"), max_tokens=40,
+                              prompt=harness.vocab.encode("loop 0"), max_tokens=30,
                               **SAMPLINGS[sname])
                 req.matcher = matcher()
                 reqs.append(keyed(req, name))

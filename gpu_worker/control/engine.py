@@ -964,7 +964,8 @@ class Engine:
         """After a commit: the draft tables learn the committed tokens of the guided rows, and
         each row still running guesses its next tokens (`Run.draft`), unless it is verifying
         drafts in the forward launched since (its next sample is then not the one after
-        this commit's tokens)."""
+        this commit's tokens), or backed off to mask-first (it would not draft: a model that
+        does not follow the grammar pays for the tables' filling alone)."""
         seen = set()
         for r in rows:
             if id(r) in seen or r.req.grammar is None:
@@ -973,7 +974,7 @@ class Engine:
             key = r.req.grammar.key
             self.drafts.observe(key, r.generated, r.observed)
             r.observed = len(r.generated)
-            if self.runs.get(r.slot) is r and r.fed <= len(r.generated):
+            if self.runs.get(r.slot) is r and r.fed <= len(r.generated) and r.af_skip == 0:
                 r.draft = self.drafts.propose(key, r.generated, 1 + self.cfg.draft_tokens)
 
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
