@@ -19,7 +19,7 @@ import xgrammar as xgr
 from engine_harness import EngineHarness
 from test_worker_shortcuts import SAMPLINGS, grammars, requests
 
-from gpu_worker.control.engine import LENGTH, Request
+from gpu_worker.control.engine import LENGTH, STOP, Request
 from gpu_worker.guided.drafts import DraftTables
 from gpu_worker.guided.grammar_cache import GrammarHandle
 from grammar_service.backends import LLGUIDANCE, VocabView
@@ -178,3 +178,52 @@ def test_draft_tables_forget_the_same_way_on_every_rank():
     t.observe("g", list(range(20)), 0)             # 37 contexts: past the limit
     t.observe("g", [50, 51], 0)                    # starts again empty
     assert t.propose("g", [50], 1) == [51] and t.propose("g", [3], 1) == []
+
+
+def test_stop_ids_and_releases_end_drafted_rows_exactly(model_dir, results):
+    """Permissive rows given a stop id that their answer reaches (its token at position 6),
+    and rows released mid-answer, beside rows that run on, 48 slots, drafts on against every
+    shortcut off: a stop id ends the row at its first occurrence whatever the step delivered
+    around it; a released row's tokens are a prefix of the same row's answer (a step with
+    drafts may deliver a few more before the release lands); every slot is free at the end
+    and the other rows' tokens are the same."""
+    answers = results["off"][0]
+    outs = {}
+    for config in ("off", "drafts"):
+        forced, accept_first, drafts = CONFIGS[config]
+        harness = EngineHarness(model_dir, slots=48, max_model_len=128, step_tokens=256,
+                                forced_tokens=forced, accept_first=accept_first,
+                                draft_tokens=drafts)
+        reqs, release = [], {}
+        for wave in ("a", "b"):
+            for name, matcher in permissive(harness.vocab):
+                for i in range(6, 12):
+                    answer = answers[f"{name}/{wave}{i}"].tokens
+                    sampling = SAMPLINGS["greedy"] if i % 2 == 0 else {"temperature": 1.0,
+                                                                       "seed": i}
+                    kind = ("stop", "release", "run")[i % 3]
+                    req = Request(request_id=f"{name}/{wave}{i}/{kind}",
+                                  prompt=harness.vocab.encode(f"loop {i % 3}"), max_tokens=48,
+                                  stop_token_ids=frozenset({answer[6]} if kind == "stop" else ()),
+                                  **sampling)
+                    req.matcher = matcher()
+                    reqs.append(keyed(req, name))
+                    if kind == "release":
+                        release[req.request_id] = 9
+            reqs += [keyed(r, "pad") for r in draft_requests(harness.vocab, *grammars(
+                harness.vocab))[:24] if wave == "a"]
+        outs[config] = harness.run(reqs, release_after=release)
+        assert harness.table.in_use() == 0 and not harness.engine.runs
+    off, on = outs["off"], outs["drafts"]
+    assert off.keys() == on.keys()
+    for rid, want in off.items():
+        got = on[rid]
+        if rid.endswith("/release"):
+            short, long = sorted((got.tokens, want.tokens), key=len)
+            assert long[:len(short)] == short and len(short) >= 9, rid
+            continue
+        assert (got.tokens, got.reason) == (want.tokens, want.reason), rid
+        if rid.endswith("/stop"):
+            answer = answers[rid.rsplit("/", 1)[0]].tokens
+            first = answer.index(answer[6])
+            assert got.reason == STOP and got.tokens == answer[:first], rid
