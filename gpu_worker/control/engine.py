@@ -542,8 +542,11 @@ class Engine:
                 stops |= (req.grammar.stop_ids(req.matcher) if req.grammar is not None
                           else frozenset(req.matcher.stop_token_ids))
             start = self.cfg.accept_first_max_backoff if self._refusal_rate > 0.5 else 0
-            self.runs[entry.slot] = Run(entry, req, self.step_index, stops=stops,
-                                        af_backoff=start, af_skip=start)
+            r = self.runs[entry.slot] = Run(entry, req, self.step_index, stops=stops,
+                                            af_backoff=start, af_skip=start)
+            if self.drafts is not None and req.grammar is not None and not start:
+                # The first token and those after it, as earlier outputs began.
+                r.draft = self.drafts.propose(req.grammar.key, [], 1 + self.cfg.draft_tokens)
         self.step_index += 1
         self._update_gauges()
         return bool(overdue)

@@ -23,14 +23,17 @@ from collections import OrderedDict
 # Contexts are keyed by their tokens packed into one int (a token id below 2**_BITS; each
 # order has its own dict): a tuple per context cost twice the time on the engine's thread.
 _BITS = 24
+# A token before every output, so that its first tokens are guessed too (`{"`, a first key).
+START = (1 << _BITS) - 2
 
 
 class DraftTables:
     """Per grammar key, the token that last followed each context of 1..`order` tokens.
 
     `max_grammars` tables at most (the least recently used is dropped); a table past
-    `max_entries` contexts of one length starts again empty. Both rules depend only on the calls, so ranks
-    that make the same calls hold the same tables."""
+    `max_entries` contexts of one length starts again empty. Both rules depend only on the
+    calls, so ranks that make the same calls hold the same tables. Every output is read as
+    if it began with START: the first tokens are guessed from the output's start."""
 
     def __init__(self, order: int = 4, max_grammars: int = 256, max_entries: int = 1 << 16):
         if not 1 <= order <= 4:
@@ -61,6 +64,8 @@ class DraftTables:
         if start >= len(tokens):
             return
         table = self._table(key)
+        if start < self.order:  # the first tokens follow the start too
+            tokens, start = [START, *tokens], start + 1
         one = table[0]
         two = table[1] if self.order > 1 else None
         three = table[2] if self.order > 2 else None
@@ -85,9 +90,9 @@ class DraftTables:
         longest context seen (of up to `order` tokens), the guesses so far included. Empty
         when the grammar has no table or no context matches."""
         table = self._tables.get(key)
-        if not table or not tokens:
+        if not table:
             return []
-        context = tokens[-self.order:]
+        context = tokens[-self.order:] if len(tokens) >= self.order else [START, *tokens]
         out: list[int] = []
         while len(out) < n:
             packed, found = 0, None
