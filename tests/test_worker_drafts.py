@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import xgrammar as xgr
 from engine_harness import EngineHarness
-from test_worker_shortcuts import SAMPLINGS, grammars, requests
+from test_worker_shortcuts import SAMPLINGS, assert_same_outputs, grammars, requests
 
 from gpu_worker.control.engine import LENGTH, STOP, Request
 from gpu_worker.guided.drafts import DraftTables
@@ -93,16 +93,8 @@ def results(model_dir):
 
 
 def test_drafts_give_the_tokens_of_mask_first_sampling(results):
-    base = results["off"][0]
     for config in ("no_drafts", "drafts"):
-        outs = results[config][0]
-        assert outs.keys() == base.keys()
-        for rid, want in base.items():
-            got = outs[rid]
-            assert (got.tokens, got.reason) == (want.tokens, want.reason), (config, rid)
-            assert len(got.logprobs) == len(want.logprobs), (config, rid)
-            for a, b in zip(got.logprobs, want.logprobs, strict=True):
-                assert a[1] == b[1] and a[0] == pytest.approx(b[0], abs=1e-4), (config, rid)
+        assert_same_outputs(results["off"][0], results[config][0], config)
 
 
 def test_drafts_are_verified_kept_and_cut_and_save_steps(results):

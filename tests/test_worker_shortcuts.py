@@ -116,18 +116,22 @@ def test_every_configuration_gives_the_tokens_of_mask_first_sampling(results):
             assert outcome.reason == GRAMMAR_COMPLETED, (rid, outcome.reason, outcome.message)
             assert is_valid(kind, arg, harness.vocab.decode(outcome.tokens)), rid
     for config in ("forced", "accept_first", "both"):
-        outs = results[config][0]
-        assert outs.keys() == base.keys()
-        for rid, outcome in base.items():
-            got = outs[rid]
-            assert (got.tokens, got.reason) == (outcome.tokens, outcome.reason), (config, rid)
-            # Rows skip steps (a forced chain is fed as one chunk; a refused row loses a step),
-            # so a row's logits come from other batch shapes: equal up to the reduction order
-            # of floating-point sums, as with prefill chunks.
-            assert len(got.logprobs) == len(outcome.logprobs), (config, rid)
-            for a, b in zip(got.logprobs, outcome.logprobs, strict=True):
-                assert a[1] == b[1] and a[0] == pytest.approx(b[0], abs=1e-4), (config, rid)
-                assert a[2] == pytest.approx(b[2], abs=1e-4), (config, rid)
+        assert_same_outputs(base, results[config][0], config)
+
+
+def assert_same_outputs(base: dict, outs: dict, config: str) -> None:
+    """Every request of `base` has the same tokens, finish reason and logprobs in `outs`.
+    Rows skip steps (a forced chain or drafts fed as one chunk; a refused row loses a step),
+    so a row's logits come from other batch shapes: logprobs are equal up to the reduction
+    order of floating-point sums, as with prefill chunks."""
+    assert outs.keys() == base.keys()
+    for rid, want in base.items():
+        got = outs[rid]
+        assert (got.tokens, got.reason) == (want.tokens, want.reason), (config, rid)
+        assert len(got.logprobs) == len(want.logprobs), (config, rid)
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a[1] == b[1] and a[0] == pytest.approx(b[0], abs=1e-4), (config, rid)
+            assert a[2] == pytest.approx(b[2], abs=1e-4), (config, rid)
 
 
 def test_each_mechanism_runs_only_where_it_is_on(results):
