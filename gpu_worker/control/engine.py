@@ -780,7 +780,7 @@ class Engine:
         done = torch.cuda.Event() if wire.is_cuda else None
         if done is not None:
             done.record()
-        for r in rows:
+        for r in rows:  # a row verifying drafts has a sample at each of its positions
             r.pending = 0
         for r in rows:
             r.pending += 1
