@@ -11,6 +11,17 @@ from dataclasses import dataclass
 
 from protos.rpc import env_default
 
+# Drafted tokens per row where --draft-tokens is left to the device (gpu_worker.guided.drafts).
+DRAFT_TOKENS_CUDA = 2
+
+
+def draft_tokens_on(draft_tokens: int, device_type: str) -> int:
+    """The drafted tokens per row a rank uses: the setting, or for -1 (auto) the CUDA default
+    on a GPU and none on CPU (a CPU forward costs as much per drafted token as per row)."""
+    if draft_tokens >= 0:
+        return draft_tokens
+    return DRAFT_TOKENS_CUDA if device_type == "cuda" else 0
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -45,7 +56,7 @@ class WorkerConfig:
     reflection: str = "on"
     drain_timeout_s: float = 30.0
     forced_round_cost: float = 1 / 16
-    draft_tokens: int = 2
+    draft_tokens: int = -1  # -1: DRAFT_TOKENS_CUDA on CUDA, 0 on CPU (`draft_tokens_on`)
 
     def __post_init__(self):
         checks = [
@@ -75,7 +86,7 @@ class WorkerConfig:
             (self.reflection in ("on", "off"), "reflection", "must be on or off"),
             (self.drain_timeout_s >= 0, "drain-timeout", "must be >= 0"),
             (self.forced_round_cost >= 0, "forced-round-cost", "must be >= 0"),
-            (0 <= self.draft_tokens <= 8, "draft-tokens", "must be in [0, 8]"),
+            (-1 <= self.draft_tokens <= 8, "draft-tokens", "must be in [0, 8], or -1 (auto)"),
         ]
         for ok, flag, why in checks:
             if not ok:
@@ -160,10 +171,12 @@ def parser() -> argparse.ArgumentParser:
                    type=_flag, default=e("accept_first", True),
                    help="sample greedy and temperature-only guided rows unmasked first and "
                         "mask only refused ones (same output; --no-accept-first turns it off)")
-    p.add_argument("--draft-tokens", type=int, default=e("draft_tokens", 2),
+    p.add_argument("--draft-tokens", type=int, default=e("draft_tokens", -1),
                    help="accept-first rows feed up to this many tokens guessed from earlier "
                         "outputs of their grammar after their newest one, and keep the "
-                        "samples that agree: fewer steps, the same output (0 = off)")
+                        "samples that agree: fewer steps, the same output (0 = off; -1, the "
+                        f"default: {DRAFT_TOKENS_CUDA} on CUDA, where a step's cost hardly "
+                        "grows with its tokens, 0 on CPU, where it grows with every one)")
     p.add_argument("--tls-cert", default=e("tls_cert", ""), help="server certificate PEM file")
     p.add_argument("--tls-key", default=e("tls_key", ""), help="server private key PEM file")
     p.add_argument("--tls-ca", default=e("tls_ca", ""),

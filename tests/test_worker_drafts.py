@@ -219,3 +219,17 @@ def test_stop_ids_and_releases_end_drafted_rows_exactly(model_dir, results):
             answer = answers[rid.rsplit("/", 1)[0]].tokens
             first = answer.index(answer[6])
             assert got.reason == STOP and got.tokens == answer[:first], rid
+
+
+def test_drafts_default_to_the_device():
+    """--draft-tokens -1 (the default) is 2 on CUDA and 0 on CPU, where a forward costs as
+    much per drafted token as per row; a number is taken as given; bad values name the flag."""
+    from gpu_worker.config import DRAFT_TOKENS_CUDA, WorkerConfig, draft_tokens_on, parser
+
+    assert parser().parse_args([]).draft_tokens == -1
+    assert draft_tokens_on(-1, "cuda") == DRAFT_TOKENS_CUDA == 2
+    assert draft_tokens_on(-1, "cpu") == 0
+    assert draft_tokens_on(3, "cpu") == 3 and draft_tokens_on(0, "cuda") == 0
+    ns = vars(parser().parse_args(["--draft-tokens", "9"]))
+    with pytest.raises(ValueError, match="--draft-tokens"):
+        WorkerConfig(**ns)

@@ -35,7 +35,7 @@ def system(tmp_path_factory):
         gs, gaddr = start_grammar_service(model_dir, root)
         procs.append(gs)
         g2, addrs2, metrics2 = start_group(model_dir, gaddr, root, tp=2, slots=4,
-                                           extra=["--step-tokens", "32"])
+                                           extra=["--step-tokens", "32", "--draft-tokens", "2"])
         procs.append(g2)
         g1, addrs1, metrics1 = start_group(model_dir, gaddr, root, tp=1, slots=4)
         procs.append(g1)
@@ -129,9 +129,9 @@ def test_tp2_shortcuts_give_the_tokens_of_plain_mask_first_sampling(system):
 
 
 def test_tp2_drafts_give_the_tokens_of_plain_mask_first_sampling(system):
-    """Drafted tokens (on by default) against the TP=2 group with every shortcut off: the same
-    tokens, greedy and seeded temperature, under a permissive regex that the random weights
-    mostly follow (so accept-first holds). A prompt sent again meets the draft tables its
+    """Drafted tokens (on by default on CUDA; this group turns them on) against the TP=2
+    group with every shortcut off: the same tokens, greedy and seeded temperature, under a
+    permissive regex that the random weights mostly follow (so accept-first holds). A prompt sent again meets the draft tables its
     first answer filled, on each rank from its own commits: drafts are verified and kept on
     both ranks alike (no divergence). Long answers, since after the mix above a new row may
     start backed off to mask-first for 64 tokens."""

@@ -24,7 +24,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from gpu_worker.config import WorkerConfig
+from gpu_worker.config import WorkerConfig, draft_tokens_on
 from gpu_worker.control import engine as eng
 from gpu_worker.control.lockstep import ControlChannel
 from gpu_worker.control.slots import Entry, NoFreeSlot, SlotBusy, SlotTable, UnknownRequest
@@ -397,7 +397,7 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
                          mask_fill_threads=cfg.mask_fill_threads,
                          forced_tokens=cfg.forced_tokens, accept_first=cfg.accept_first,
                          forced_round_cost=cfg.forced_round_cost,
-                         draft_tokens=cfg.draft_tokens,
+                         draft_tokens=draft_tokens_on(cfg.draft_tokens, device.type),
                          drain_timeout_s=cfg.drain_timeout_s),
         model, table, ControlChannel(control_group, cfg.tp),
         vocab_size=vocab.vocab_size, model_vocab_size=model.config.vocab_size,
