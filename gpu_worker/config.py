@@ -17,7 +17,8 @@ DRAFT_TOKENS_CUDA = 2
 
 def draft_tokens_on(draft_tokens: int, device_type: str) -> int:
     """The drafted tokens per row a rank uses: the setting, or for -1 (auto) the CUDA default
-    on a GPU and none on CPU (a CPU forward costs as much per drafted token as per row)."""
+    on a GPU and none on CPU (a CPU forward costs in proportion to the tokens it feeds; no
+    gain measured there: bench/drafts_engine.py)."""
     if draft_tokens >= 0:
         return draft_tokens
     return DRAFT_TOKENS_CUDA if device_type == "cuda" else 0
@@ -175,8 +176,8 @@ def parser() -> argparse.ArgumentParser:
                    help="accept-first rows feed up to this many tokens guessed from earlier "
                         "outputs of their grammar after their newest one, and keep the "
                         "samples that agree: fewer steps, the same output (0 = off; -1, the "
-                        f"default: {DRAFT_TOKENS_CUDA} on CUDA, where a step's cost hardly "
-                        "grows with its tokens, 0 on CPU, where it grows with every one)")
+                        f"default: {DRAFT_TOKENS_CUDA} on CUDA, 0 on CPU, where a forward "
+                        "costs in proportion to the tokens it feeds)")
     p.add_argument("--tls-cert", default=e("tls_cert", ""), help="server certificate PEM file")
     p.add_argument("--tls-key", default=e("tls_key", ""), help="server private key PEM file")
     p.add_argument("--tls-ca", default=e("tls_ca", ""),

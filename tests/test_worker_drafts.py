@@ -222,8 +222,8 @@ def test_stop_ids_and_releases_end_drafted_rows_exactly(model_dir, results):
 
 
 def test_drafts_default_to_the_device():
-    """--draft-tokens -1 (the default) is 2 on CUDA and 0 on CPU, where a forward costs as
-    much per drafted token as per row; a number is taken as given; bad values name the flag."""
+    """--draft-tokens -1 (the default) is 2 on CUDA and 0 on CPU; a number is taken as given;
+    a bad value names the flag."""
     from gpu_worker.config import DRAFT_TOKENS_CUDA, WorkerConfig, draft_tokens_on, parser
 
     assert parser().parse_args([]).draft_tokens == -1
