@@ -14,13 +14,15 @@ processes is in tests/test_worker_tp.py.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import xgrammar as xgr
 from engine_harness import EngineHarness
 from test_worker_shortcuts import SAMPLINGS, assert_same_outputs, grammars, requests
 
 from gpu_worker.control.engine import LENGTH, STOP, Request
-from gpu_worker.guided.drafts import DraftTables
+from gpu_worker.guided.drafts import START, DraftTables
 from gpu_worker.guided.grammar_cache import GrammarHandle
 from grammar_service.backends import LLGUIDANCE, VocabView
 from grammar_service.default_model import ensure_default_model
@@ -153,6 +155,40 @@ def test_draft_tables_guess_from_the_longest_context_seen():
     t.observe("g", [1, 2, 3, 4, 5, 6], 5)      # only the new token: after (3, 4, 5) comes 6
     assert t.propose("g", [3, 4, 5], 1) == [6]
     assert t.propose("g", [1, 2, 3], 4) == [4, 5, 6]
+
+
+def test_draft_tables_guess_as_the_longest_match_rule_says():
+    """`propose` (written out per context length) against the rule read plainly: per guess,
+    the token after the longest context of up to `order` tokens seen, the output read as if
+    it began with START; random outputs over a small alphabet, so contexts recur."""
+    def reference(t, key, tokens, n):
+        seen = t._tables.get(key)
+        if not seen:
+            return []
+        context = [START, *tokens][-t.order:]
+        out = []
+        while len(out) < n:
+            found = None
+            for k in range(1, len(context) + 1):
+                packed = sum(tok << (i * 24) for i, tok in enumerate(reversed(context[-k:])))
+                if packed not in seen[k - 1]:
+                    break
+                found = seen[k - 1][packed]
+            if found is None:
+                break
+            out.append(found)
+            context = (context + [found])[-t.order:]
+        return out
+
+    rng = random.Random(7)
+    for order in (1, 2, 3, 4):
+        t = DraftTables(order=order)
+        for _ in range(40):
+            t.observe("g", [rng.randrange(6) for _ in range(rng.randrange(1, 30))], 0)
+        for _ in range(400):
+            tokens = [rng.randrange(6) for _ in range(rng.randrange(0, 8))]
+            n = rng.randrange(1, 5)
+            assert t.propose("g", tokens, n) == reference(t, "g", tokens, n), (order, tokens)
 
 
 def test_draft_tables_forget_the_same_way_on_every_rank():
