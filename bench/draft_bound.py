@@ -24,6 +24,10 @@ engine's pipeline: where its guess after the committed tokens has two tokens or 
 first is the pending token, the step feeds the rest and yields the samples up to the first
 wrong guess plus one; the next step, launched before that is known, yields one more token if
 every guess held and nothing otherwise; a row then drafts again from its next commit.
+The `every step` column is the same tables and guesses with a draft at every step and no step
+lost to the pipeline (each step's guess made from every token before it): what drafting at
+every step could reach at most with these tables, the next forward's guess made before the
+last one is checked.
 
 By default the schemas compile as a client sends them with default options (JSON Schema
 semantics: any property order, unlisted properties allowed, so no key is forced); `--strict`
@@ -101,6 +105,23 @@ def draft_steps(tables: DraftTables, key: str, tokens: list[int], draft_tokens: 
     return steps
 
 
+def every_step(tables: DraftTables, key: str, tokens: list[int], draft_tokens: int) -> int:
+    """Steps of one output with a draft at every step and no pipeline loss (the bound of the
+    `every step` column); the first token comes from the prefill step."""
+    produced, steps = 1, 1
+    while produced < len(tokens):
+        steps += 1
+        pending = produced - 1
+        guess = tables.propose(key, tokens[:pending], 1 + draft_tokens)
+        kept = 0
+        if len(guess) > 1 and guess[0] == tokens[pending]:
+            while kept + 1 < len(guess) and produced + kept < len(tokens) \
+                    and guess[kept + 1] == tokens[produced + kept]:
+                kept += 1
+        produced += kept + 1
+    return steps
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, default=None)
@@ -124,7 +145,7 @@ def main(argv=None) -> int:
     print(f"vocabulary {judge.vocab.model_vocab_size} tokens, {ns.instances} instances per row; "
           f"options {options or 'default'}; steps per output token (the stop token counted)")
     print(f"{'family':8} {'layout':8} {'tokens':>7} {'with a draft':>13} {'draft bound':>12} "
-          f"{'drafts':>8}")
+          f"{'drafts':>8} {'every step':>11}")
     for family in ns.families.split(","):
         schemas = [json.loads(s) for s in load_schemas(family)]
         builds = [judge.build(s, "gramserve", **options) for s in schemas]
@@ -132,7 +153,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"{family}: a schema does not compile on llguidance")
         for layout, separators in LAYOUTS.items():
             rng = random.Random(ns.seed)
-            total = drafted = draft = 0
+            total = drafted = draft = bound = 0
             tables, counted, engine = DraftTables(), 0, 0
             for n in range(ns.warm + ns.instances):
                 i = rng.randrange(len(schemas))
@@ -144,10 +165,11 @@ def main(argv=None) -> int:
                     drafted += sum(1 for d in draftable if d)
                     draft += steps(draftable)
                     engine += draft_steps(tables, str(i), tokens + [STOP], ns.draft_tokens)
+                    bound += every_step(tables, str(i), tokens + [STOP], ns.draft_tokens)
                     counted += len(tokens) + 1
                 tables.observe(str(i), tokens + [STOP], 0)
             print(f"{family:8} {layout:8} {total:7d} {drafted / total:13.3f} "
-                  f"{draft / total:12.3f} {engine / counted:8.3f}")
+                  f"{draft / total:12.3f} {engine / counted:8.3f} {bound / counted:11.3f}")
     return 0
 
 
