@@ -83,21 +83,31 @@ def steps(draftable: list[int]) -> int:
     return n
 
 
+def _kept(guess: list[int], tokens: list[int], produced: int) -> int | None:
+    """The samples after the first that count when a step feeds `guess` after the pending
+    token `tokens[produced - 1]` (each guess before them held); None when the step drafts
+    nothing (fewer than two guesses, or a wrong guess of the pending token)."""
+    if len(guess) < 2 or guess[0] != tokens[produced - 1]:
+        return None
+    kept = 0
+    while kept + 1 < len(guess) and produced + kept < len(tokens) \
+            and guess[kept + 1] == tokens[produced + kept]:
+        kept += 1
+    return kept
+
+
 def draft_steps(tables: DraftTables, key: str, tokens: list[int], draft_tokens: int) -> int:
     """Steps of one output under the engine's drafts (see the module docstring); the first
     token comes from the prefill step."""
     produced, steps = 1, 1
     while produced < len(tokens):
         steps += 1
-        pending = produced - 1  # committed: tokens[:pending]; on the device: tokens[pending]
-        guess = tables.propose(key, tokens[:pending], 1 + draft_tokens)
-        if len(guess) < 2 or guess[0] != tokens[pending]:
+        # committed: tokens[:produced - 1]; on the device: tokens[produced - 1]
+        guess = tables.propose(key, tokens[:produced - 1], 1 + draft_tokens)
+        kept = _kept(guess, tokens, produced)
+        if kept is None:
             produced += 1
             continue
-        kept = 0  # samples after the first that count: each guess before them held
-        while kept + 1 < len(guess) and produced + kept < len(tokens) \
-                and guess[kept + 1] == tokens[produced + kept]:
-            kept += 1
         produced += kept + 1
         if produced < len(tokens):
             steps += 1  # launched before the guesses are checked
@@ -111,14 +121,8 @@ def every_step(tables: DraftTables, key: str, tokens: list[int], draft_tokens: i
     produced, steps = 1, 1
     while produced < len(tokens):
         steps += 1
-        pending = produced - 1
-        guess = tables.propose(key, tokens[:pending], 1 + draft_tokens)
-        kept = 0
-        if len(guess) > 1 and guess[0] == tokens[pending]:
-            while kept + 1 < len(guess) and produced + kept < len(tokens) \
-                    and guess[kept + 1] == tokens[produced + kept]:
-                kept += 1
-        produced += kept + 1
+        guess = tables.propose(key, tokens[:produced - 1], 1 + draft_tokens)
+        produced += (_kept(guess, tokens, produced) or 0) + 1
     return steps
 
 
