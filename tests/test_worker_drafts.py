@@ -22,7 +22,7 @@ from engine_harness import EngineHarness
 from test_worker_shortcuts import SAMPLINGS, assert_same_outputs, grammars, requests
 
 from gpu_worker.control.engine import LENGTH, STOP, Request
-from gpu_worker.guided.drafts import START, DraftTables
+from gpu_worker.guided.drafts import _BITS, START, DraftTables
 from gpu_worker.guided.grammar_cache import GrammarHandle
 from grammar_service.backends import LLGUIDANCE, VocabView
 from grammar_service.default_model import ensure_default_model
@@ -170,7 +170,7 @@ def test_draft_tables_guess_as_the_longest_match_rule_says():
         while len(out) < n:
             found = None
             for k in range(1, len(context) + 1):
-                packed = sum(tok << (i * 24) for i, tok in enumerate(reversed(context[-k:])))
+                packed = sum(tok << (i * _BITS) for i, tok in enumerate(reversed(context[-k:])))
                 if packed not in seen[k - 1]:
                     break
                 found = seen[k - 1][packed]
