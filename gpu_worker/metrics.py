@@ -40,6 +40,11 @@ class WorkerMetrics:
         self.mask_apply_seconds = Histogram(
             "gramserve_worker_mask_apply_seconds", "Time to apply the bitmask to the logits.",
             buckets=_FAST_BUCKETS, registry=registry)
+        self.device_wait_seconds = Histogram(
+            "gramserve_worker_device_wait_seconds",
+            "Time a step's commit waited for the device to finish sampling the step before "
+            "(near zero: the host's work bounds the step; most of the step: the GPU does).",
+            buckets=_FAST_BUCKETS, registry=registry)
         self.mask_fills = Counter(
             "gramserve_worker_mask_fills_total",
             "Bitmask rows filled (for sampling, forced-token checks and resamples).",

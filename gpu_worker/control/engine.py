@@ -892,6 +892,7 @@ class Engine:
         t0 = time.perf_counter()
         if inflight.done is not None:
             inflight.done.synchronize()
+            t["device_wait"] = time.perf_counter() - t0
         picked = inflight.host.tolist()
         single = [False] * len(picked)
         if self.scan is not None:  # only then does `_sample` add the forced-token flag
@@ -1196,3 +1197,5 @@ class Engine:
             m.mask_fill_exposed_seconds.observe(t["mask_fill_exposed"])
         if "mask_apply" in t:
             m.mask_apply_seconds.observe(t["mask_apply"])
+        if "device_wait" in t:
+            m.device_wait_seconds.observe(t["device_wait"])
