@@ -234,7 +234,8 @@ def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in re.finditer(r"^(gramserve_worker_\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M):
         name, labels, value = m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")), m.group(3)
-        if re.fullmatch(r"gramserve_worker_(step_seconds|batch_size|mask_\w+?_seconds)_(sum|count)",
+        if re.fullmatch(r"gramserve_worker_(step_seconds|batch_size|mask_\w+?_seconds|device_wait_seconds)"
+                        r"_(sum|count)",
                         name):
             out[name + (f":{labels['phase']}" if "phase" in labels else "")] = float(value)
         elif (name in ("gramserve_worker_forced_tokens_total", "gramserve_worker_mask_fills_total",
@@ -355,7 +356,8 @@ def interleave(plans: dict[str, list], rounds: int):
 # (every round)
 SHORTCUTS = {"on": (True, True, None, None), "off": (False, False, None, 0),
              "forced": (True, False, None, 0), "accept-first": (False, True, None, 0),
-             "every-round": (True, True, 0.0, None), "no-drafts": (True, True, None, 0)}
+             "every-round": (True, True, 0.0, None), "no-drafts": (True, True, None, 0),
+             "drafts4": (True, True, None, 4)}
 
 
 def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
@@ -647,13 +649,14 @@ def table(rows: list[dict], alone: dict, hf: dict, client: dict) -> str:
 
 
 def settings_ratios(rows: list[dict]) -> list[str]:
-    """Lines 'shortcuts <setting> ÷ off' and 'on ÷ no-drafts' (and '<setting> ÷
+    """Lines 'shortcuts <setting> ÷ off', 'on ÷ no-drafts', 'drafts4 ÷ on' (and '<setting> ÷
     <setting>@base': this code over the base tree's) per run measured under both: output
     tokens/s of the same round, interleaved, and their median over rounds."""
     tps = {(r["concurrency"], r["family"], r["ratio"], r.get("shortcuts"), r.get("round", 1)):
            r["output_tokens_per_second"] for r in rows}
     present = dict.fromkeys(k[3] for k in tps)
-    compared = [(s, "off") for s in SHORTCUTS if s != "off"] + [("on", "no-drafts")]
+    compared = [(s, "off") for s in SHORTCUTS if s != "off"] + [("on", "no-drafts"),
+                                                                  ("drafts4", "on")]
     compared += [(s.removesuffix("@base"), s) for s in present if s and s.endswith("@base")]
     out = []
     for setting, ref in compared:
@@ -746,8 +749,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="worker forced tokens, accept-first and drafts, one stack per "
                         "setting: on (the worker's defaults), off, forced (forced tokens "
                         "only), accept-first (accept-first only), no-drafts (both, no drafts: "
-                        "--draft-tokens 0), every-round (all on, every forced chain followed "
-                        "at once: --forced-round-cost 0), comma-separated; a setting ending in @base "
+                        "--draft-tokens 0), drafts4 (all on, --draft-tokens 4), every-round "
+                        "(all on, every forced chain followed at once: --forced-round-cost 0), "
+                        "comma-separated; a setting ending in @base "
                         "runs the code of --base-tree; stacks after the first run "
                         "--variant-runs")
     p.add_argument("--base-tree", type=Path, default=None,

@@ -384,3 +384,33 @@ def test_index_stage_gives_each_index_its_own_entries_until_the_next_start():
     assert c.dtype == torch.int64 and a.dtype == torch.int64
     stage.start()
     assert stage([9] * 8).tolist() == [9] * 8
+
+
+def test_index_stage_blocks_keep_their_dtype_and_rows_beside_the_indices():
+    """A sampling batch's columns staged beside the indices: float32 and int64 blocks of one
+    sampling point stay intact together, and from_lists through the stage gives the batch
+    built from fresh tensors, value for value."""
+    import torch
+
+    from gpu_worker.sampling.sampler import SamplingBatch
+
+    stage = _IndexStage(16, torch.device("cpu"))
+    stage.start()
+    index = stage([4, 2])
+    floats = stage.block([[0.7, 1.0], [0.9, 1.0], [0.0, 0.05]], torch.float32)
+    ints = stage.block([[0, 5], [2**62, -3], [11, 0]], torch.int64)
+    assert index.tolist() == [4, 2]
+    assert floats.dtype == torch.float32 and floats.shape == (3, 2)
+    assert floats.tolist() == torch.tensor([[0.7, 1.0], [0.9, 1.0], [0.0, 0.05]]).tolist()
+    assert ints.tolist() == [[0, 5], [2**62, -3], [11, 0]]
+    big = stage.block([[1] * 5] * 3, torch.float32)  # 6 + 15 > 16 floats: made apart
+    assert big.tolist() == [[1.0] * 5] * 3 and floats.tolist()[2] == [0.0, 0.05000000074505806]
+    columns = ([0.0, 0.8, 1.3], [0, 4, 0], [1.0, 0.9, 1.0], [0.0, 0.0, 0.1], [7, 2**40, -1],
+               [0, 17, 3])
+    stage.start()
+    staged = SamplingBatch.from_lists(*columns, stage=stage.block)
+    fresh = SamplingBatch.from_lists(*columns)
+    for name in ("temperature", "top_k", "top_p", "min_p", "seed", "step"):
+        a, b = getattr(staged, name), getattr(fresh, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert staged.flags == fresh.flags

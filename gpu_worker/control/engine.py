@@ -49,18 +49,21 @@ Three shortcuts do less work for exactly the same tokens (each can be turned off
   is decided when its previous token is accepted (its mask fill starts then, or never).
   (Every rank sees the same acceptances in the same order, so every rank makes the same
   choices.)
-- Drafts (`draft_tokens`, gpu_worker.guided.drafts): an accept-first row whose token is
-  pending on the device feeds after it up to `draft_tokens` guessed tokens (the guess made at
-  its last commit, whose first token is the guess of the pending one) and gets logits at
-  every position (`Seq.draft`). Once the commit before the sampling point shows the pending
-  token was the first guess, each position is sampled with its own noise index, unmasked,
-  like any accept-first token; otherwise only the first, and the keys written after it are
-  void. The commit keeps the samples while each equals the guess fed after it (a refused one
-  is sampled again as above) and stops at the first that differs: that one is the row's next
-  input. The row's next forward, launched before that commit, fed its last sample as if every
-  guess held; where one did not, that forward's output for the row is dropped (the row lost
-  that step, the batch nothing) and the row feeds its true last token next. Rows draft every
-  other step at most: a guess is made only from committed tokens.
+- Drafts (`draft_tokens`, gpu_worker.guided.drafts): an accept-first row whose newest sample
+  is pending on the device feeds after it up to `draft_tokens` guessed tokens and gets logits
+  at every position (`Seq.draft`). The guess is made at the row's last commit from its
+  committed tokens and, where the forward launched before that commit verifies guesses, those
+  guesses too (`Run.fed_guesses`): its first token guesses the pending sample, the rest are
+  fed after it. So a row drafts at every step, each forward continuing the guesses of the one
+  before. At the sampling point (the pending sample committed by then) every position is
+  sampled with its own noise index, unmasked, like any accept-first token, unless the commit
+  cut the row (below): each position saw the context a one-token-a-step decode would give it
+  if the guesses before it hold. The commit keeps the samples while each equals the guess fed
+  after it (a refused one is sampled again as above) and stops at the first that differs:
+  that one is the row's next input. The row's next forward, launched before that commit, fed
+  its last sample as if every guess held; where one did not, that forward's output for the
+  row is dropped (the row lost that step, the batch nothing) and the row feeds its true last
+  token next, without a draft.
 
 Drain (SIGTERM): `drain()` asks this rank's group to start nothing more and to end once its
 running rows finish, within `drain_timeout_s`. The request travels in the control all-reduce
@@ -211,6 +214,7 @@ class Run:
     # Drafted tokens (gpu_worker.guided.drafts): the guess of the tokens from the one being
     # sampled after its last commit on, and how many of `generated` the tables have seen.
     draft: list[int] = field(default_factory=list)
+    fed_guesses: list[int] = field(default_factory=list)  # fed after its pending token, last
     observed: int = 0
 
     @property
@@ -284,37 +288,51 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class _IndexStage:
-    """The index tensors of one sampling point (rows to sample, rows sampled again, logprob
-    rows), from one pinned host buffer written in place and copied without blocking: a pinned
-    tensor made per index (`_index`) cost ~0.1 ms of host time each on an H100 host, a fifth
-    of a guided step's extra host work over an unguided one.
+    """The small host-made tensors of one sampling point (rows to sample, rows sampled again,
+    logprob rows, the sampling parameters), from pinned host buffers written in place and
+    copied without blocking: a pinned tensor made per use (`_index`) cost ~0.1 ms of host time
+    each on an H100 host, a fifth of a guided step's extra host work over an unguided one.
 
-    `start()` at each sampling point, which may then take up to `capacity` entries (more go
-    through `_index`). The buffer is free again by then: the commit before a sampling point
-    syncs on the previous one's sampled ids, which the device computed after every copy from
-    the buffer (one stream)."""
+    `start()` at each sampling point, which may then take up to `capacity` int64 and
+    `capacity` float32 entries (more go through fresh tensors). The buffers are free again by
+    then: the commit before a sampling point syncs on the previous one's sampled ids, which
+    the device computed after every copy from the buffers (one stream)."""
 
     def __init__(self, capacity: int, device: torch.device):
         cuda = device.type == "cuda"
         self.device = device
-        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=cuda)
-        self.dev = torch.empty(capacity, dtype=torch.int64, device=device) if cuda else None
-        self._words = self.host.numpy()
-        self._at = 0
+        self._host = {t: torch.empty(capacity, dtype=t, pin_memory=cuda)
+                      for t in (torch.int64, torch.float32)}
+        self._dev = ({t: torch.empty(capacity, dtype=t, device=device) for t in self._host}
+                     if cuda else None)
+        self._words = {t: h.numpy() for t, h in self._host.items()}
+        self._at = dict.fromkeys(self._host, 0)
 
     def start(self) -> None:
-        self._at = 0
+        self._at = dict.fromkeys(self._host, 0)
 
     def __call__(self, values: list[int]) -> torch.Tensor:
         """`values` as an int64 index on the device (valid until the next `start()`)."""
-        a, b = self._at, self._at + len(values)
-        if b > len(self._words):
-            return _index(values, self.device)
-        self._words[a:b] = values
-        self._at = b
-        if self.dev is None:
-            return self.host[a:b]
-        return self.dev[a:b].copy_(self.host[a:b], non_blocking=True)
+        return self.block([values], torch.int64)[0]
+
+    def block(self, columns: list[list], dtype: torch.dtype) -> torch.Tensor:
+        """Equal-length `columns` as one (len(columns), n) tensor of `dtype` (int64 or
+        float32) on the device, valid until the next `start()`."""
+        n = len(columns[0])
+        a, b = self._at[dtype], self._at[dtype] + n * len(columns)
+        if b > len(self._words[dtype]):
+            out = torch.tensor(columns, dtype=dtype)
+            if self.device.type == "cuda":
+                out = out.pin_memory().to(self.device, non_blocking=True)
+            return out
+        words = self._words[dtype]
+        for k, column in enumerate(columns):
+            words[a + k * n:a + (k + 1) * n] = column
+        self._at[dtype] = b
+        if self._dev is None:
+            return self._host[dtype][a:b].view(len(columns), n)
+        return self._dev[dtype][a:b].copy_(self._host[dtype][a:b],
+                                           non_blocking=True).view(len(columns), n)
 
 
 def _flags(rows: list[Run]) -> SamplingFlags:
@@ -410,8 +428,9 @@ class Engine:
         self._end_row = torch.empty((1, self.masks.width), dtype=torch.int32)
         # Logit rows of a step: one per sequence, more for rows verifying drafts.
         self.max_outputs = cfg.num_slots * (1 + (cfg.draft_tokens if self.drafts else 0))
-        # A sampling point sends at most five indices of at most that many rows each.
-        self._index = _IndexStage(5 * self.max_outputs, device)
+        # A sampling point sends at most five indices and two sampling batches (three int64
+        # and three float32 columns each) of at most that many rows.
+        self._index = _IndexStage(8 * self.max_outputs, device)
         self.graphs = None
         # On CUDA every token attends through slot attention, so mixed steps replay graphs too.
         self.slot_attention = device.type == "cuda"
@@ -575,8 +594,7 @@ class Engine:
                   and r.known > r.fed and not (r.pending and self._ends_by_length(r))]
         prefill = sorted((r for r in self.runs.values() if r.prefilled < len(r.req.prompt)),
                          key=lambda r: (r.start_step, r.slot))
-        seqs = [self._drafted(r) if r.pending == 1 and r.draft
-                else Seq(r, [0] if r.pending else r.generated[r.fed:], True, False)
+        seqs = [self._drafted(r) if r.pending else Seq(r, r.generated[r.fed:], True, False)
                 for r in sorted(decode, key=lambda r: r.slot)]
         # A long prompt is chunked so decoding slots keep their pace; some prefill always runs.
         budget = max(self.cfg.step_tokens - sum(len(s.tokens) for s in seqs),
@@ -591,14 +609,16 @@ class Engine:
         return seqs
 
     def _drafted(self, r: Run) -> Seq:
-        """The sequence of a decode row whose token is pending on the device: that token, and
-        after it the row's draft where it may verify one (an accept-first row with room for
-        the samples before max_tokens and the model's length)."""
+        """The sequence of a decode row whose newest sample is pending on the device: that
+        token, and after it the row's draft where it may verify one (an accept-first row with
+        room for the samples before max_tokens and the model's length). `Run.fed_guesses`
+        keeps what it fed after the pending token (the next guess continues from there)."""
         room = min(1 + self.cfg.draft_tokens, r.req.max_tokens - r.known,
                    self.cfg.max_model_len - r.prefilled - r.known)
-        draft, r.draft = r.draft[:room], []
+        draft, r.draft, r.fed_guesses = r.draft[:room], [], []
         if len(draft) < 2 or r.redo is not None or r.chained or not self._accept_first(r):
             return Seq(r, [0], True, False)
+        r.fed_guesses = draft[1:]
         return Seq(r, [0, *draft[1:]], True, False, draft)
 
     def _ends_by_length(self, r: Run) -> bool:
@@ -680,8 +700,8 @@ class Engine:
         are sampled too, from their saved logits (`Run.redo`), after the step's own rows; those
         the last commit refused wait for the next sampling point (their fills run meanwhile,
         off the critical path), whatever the timing, so every rank samples them at the same
-        step (I2/I3). A row that fed drafts samples at each of their positions when its pending
-        token (committed since) was the draft's first guess, else only at the first."""
+        step (I2/I3). A row that fed drafts samples at each of their positions, unless the
+        commit since cut it (its forward is void)."""
         live = [s.run for s in seqs if s.samples and self.runs.get(s.run.slot) is s.run
                 and s.run.redo is None]
         redo = [r for r in self._redo if self.runs.get(r.slot) is r]
@@ -798,9 +818,9 @@ class Engine:
         the row's next sample to count (None where no row verifies drafts).
 
         A row that took forced tokens samples nothing now (they feed its next forward). A row
-        that fed drafts samples at every position when the token it fed first (committed
-        since) is the draft's first guess; otherwise the keys and values written after that
-        token are void and it samples once."""
+        that fed drafts samples at every position, unless the commit since cut it: a sample
+        before the token it fed first differed from its guess (or was refused), so this
+        forward's output for the row is void and it samples nothing."""
         keep, rows, ahead, expect = [], [], [], []
         verifying = False
         for s in seqs:
@@ -808,8 +828,12 @@ class Engine:
             if not s.samples or self.runs.get(r.slot) is not r or r.redo is not None:
                 continue
             n = len(s.draft)
-            if n > 1 and r.fed == r.known + n - 1:
-                if r.generated[-1] == s.draft[0]:
+            if n > 1:
+                # The token it fed first is its newest sample, committed since; unless the
+                # commit cut the row (its forward is then void), every position counts: each
+                # saw the context a step-by-step decode would give it if the guesses before it
+                # hold, which the commit checks.
+                if r.fed == r.known + n - 1:
                     keep.extend(range(s.out, s.out + n))
                     rows.extend([r] * n)
                     ahead.extend(range(n))
@@ -818,8 +842,7 @@ class Engine:
                     self.stats["drafted"] += n - 1
                     if self.metrics is not None:
                         self.metrics.drafted_tokens.inc(n - 1)
-                    continue
-                r.fed -= n - 1
+                continue
             if r.fed == r.known:
                 keep.append(s.out)
                 rows.append(r)
@@ -978,8 +1001,16 @@ class Engine:
             key = r.req.grammar.key
             self.drafts.observe(key, r.generated, r.observed)
             r.observed = len(r.generated)
-            if self.runs.get(r.slot) is r and r.fed <= len(r.generated) and r.af_skip == 0:
-                r.draft = self.drafts.propose(key, r.generated, 1 + self.cfg.draft_tokens)
+            if self.runs.get(r.slot) is not r or r.af_skip:
+                continue
+            ahead = r.fed - len(r.generated)
+            if ahead <= 0:
+                context = r.generated
+            elif ahead == len(r.fed_guesses):  # verifying them in the forward launched since
+                context = r.generated + r.fed_guesses
+            else:
+                continue
+            r.draft = self.drafts.propose(key, context, 1 + self.cfg.draft_tokens)
 
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
@@ -1155,7 +1186,8 @@ class Engine:
             r.known + a for r, a in zip(rows, ahead, strict=True)]
         return SamplingBatch.from_lists(
             [q.temperature for q in reqs], [q.top_k for q in reqs], [q.top_p for q in reqs],
-            [q.min_p for q in reqs], [q.seed for q in reqs], steps, device=self.device)
+            [q.min_p for q in reqs], [q.seed for q in reqs], steps, device=self.device,
+            stage=self._index.block)
 
     def _suppress_early_stop(self, logits: torch.Tensor, rows: list[Run]) -> None:
         """EOS and stop ids are not sampled before min_tokens, unless the grammar allows

@@ -90,9 +90,11 @@ class SamplingBatch:
 
     @classmethod
     def from_lists(cls, temperature, top_k, top_p, min_p, seed, step,
-                   device: torch.device | str = "cpu") -> SamplingBatch:
+                   device: torch.device | str = "cpu", stage=None) -> SamplingBatch:
         """Build a batch from per-row Python sequences, checking values on the host (no device
-        sync). Raises ValueError naming the field."""
+        sync). Raises ValueError naming the field. `stage(columns, dtype)`, when given, turns
+        equal-length columns into one (k, n) tensor on `device` (the engine's staged pinned
+        buffers: no pinned allocation per step)."""
         columns = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
                    "seed": seed, "step": step}
         n_rows = len(temperature)
@@ -108,9 +110,14 @@ class SamplingBatch:
         flags = SamplingFlags.of(temperature, top_k, top_p, min_p)
         # Two packed host tensors (pinned for a GPU, from PyTorch's caching host allocator),
         # so a step costs two non-blocking copies instead of six pageable ones.
-        floats = torch.tensor([list(temperature), list(top_p), list(min_p)], dtype=torch.float32)
-        ints = torch.tensor([list(top_k), list(seed), list(step)], dtype=torch.int64)
-        if torch.device(device).type == "cuda":
+        if stage is not None:
+            floats = stage([list(temperature), list(top_p), list(min_p)], torch.float32)
+            ints = stage([list(top_k), list(seed), list(step)], torch.int64)
+        else:
+            floats = torch.tensor([list(temperature), list(top_p), list(min_p)],
+                                  dtype=torch.float32)
+            ints = torch.tensor([list(top_k), list(seed), list(step)], dtype=torch.int64)
+        if stage is None and torch.device(device).type == "cuda":
             floats = floats.pin_memory().to(device, non_blocking=True)
             ints = ints.pin_memory().to(device, non_blocking=True)
         tensors = {"temperature": floats[0], "top_p": floats[1], "min_p": floats[2],
