@@ -20,14 +20,14 @@ And what the engine's drafts (gpu_worker.guided.drafts, `--draft-tokens`) would 
 same outputs, the model agreeing with every one of them but guessed tokens checked for real:
 the instances stream through one DraftTables as a rank's commits would fill it (keyed by
 schema; the first `--warm` instances fill it and are not counted), and each row follows the
-engine's pipeline: where its guess after the committed tokens has two tokens or more and its
-first is the pending token, the step feeds the rest and yields the samples up to the first
-wrong guess plus one; the next step, launched before that is known, yields one more token if
-every guess held and nothing otherwise; a row then drafts again from its next commit.
+engine's pipeline: a row whose samples are on their way feeds the last of them and the
+guesses its last commit made (from its committed tokens and the guesses its launched forward
+verifies), and yields the samples up to the first wrong guess plus one; the next forward,
+launched before the guesses are checked, yields nothing where one was wrong, and the row then
+feeds its last committed token without a draft.
 The `every step` column is the same tables and guesses with a draft at every step and no step
 lost to the pipeline (each step's guess made from every token before it): what drafting at
-every step could reach at most with these tables, the next forward's guess made before the
-last one is checked.
+every step could reach at most with these tables.
 
 By default the schemas compile as a client sends them with default options (JSON Schema
 semantics: any property order, unlisted properties allowed, so no key is forced); `--strict`
@@ -83,35 +83,41 @@ def steps(draftable: list[int]) -> int:
     return n
 
 
-def _kept(guess: list[int], tokens: list[int], produced: int) -> int | None:
-    """The samples after the first that count when a step feeds `guess` after the pending
-    token `tokens[produced - 1]` (each guess before them held); None when the step drafts
-    nothing (fewer than two guesses, or a wrong guess of the pending token)."""
-    if len(guess) < 2 or guess[0] != tokens[produced - 1]:
-        return None
-    kept = 0
-    while kept + 1 < len(guess) and produced + kept < len(tokens) \
-            and guess[kept + 1] == tokens[produced + kept]:
-        kept += 1
-    return kept
-
-
 def draft_steps(tables: DraftTables, key: str, tokens: list[int], draft_tokens: int) -> int:
     """Steps of one output under the engine's drafts (see the module docstring); the first
     token comes from the prefill step."""
-    produced, steps = 1, 1
-    while produced < len(tokens):
+    n = len(tokens)
+    steps, committed = 1, 0
+    flight = kept = 1  # samples of the last sampling point on their way, of which the commit keeps
+    draft = tables.propose(key, [], 1 + draft_tokens)  # made at the row's start
+    while committed + kept < n:
         steps += 1
-        # committed: tokens[:produced - 1]; on the device: tokens[produced - 1]
-        guess = tables.propose(key, tokens[:produced - 1], 1 + draft_tokens)
-        kept = _kept(guess, tokens, produced)
-        if kept is None:
-            produced += 1
+        # The plan: a row with samples on their way feeds the last and its draft's guesses.
+        # A row whose last committed token is fed again (after a void forward) feeds the
+        # guess after it whole; one whose samples are on their way, the guess after its first
+        # token (the guess of the last of them).
+        guess = draft if flight else [tokens[committed - 1], *draft[:draft_tokens]]
+        fed = guess[1:] if len(guess) >= 2 else []
+        if not flight and fed:  # no commit before its next plan: it guesses on at once
+            draft = tables.propose(key, tokens[:committed] + fed, 1 + draft_tokens)
+        void = kept < flight  # the commit below cuts the row: this forward is void for it
+        committed += kept
+        if flight:  # the commit guesses again, from the guesses fed unless it cut the row
+            draft = tables.propose(key, tokens[:committed] + ([] if void else fed),
+                                   1 + draft_tokens)
+        if void:  # the row samples nothing; its next forward feeds its last committed token
+            flight = kept = 0
             continue
-        produced += kept + 1
-        if produced < len(tokens):
-            steps += 1  # launched before the guesses are checked
-            produced += kept + 1 == len(guess)
+        if fed and guess[0] != tokens[committed - 1]:
+            # The token it fed first was not the one guessed: only its first position is
+            # sampled (the guesses after it are void) and the row guesses again from there.
+            draft = tables.propose(key, tokens[:committed], 1 + draft_tokens)
+            fed = []
+        match = 0
+        while match < len(fed) and committed + match < n \
+                and fed[match] == tokens[committed + match]:
+            match += 1
+        flight, kept = 1 + len(fed), 1 + match
     return steps
 
 
@@ -121,8 +127,14 @@ def every_step(tables: DraftTables, key: str, tokens: list[int], draft_tokens: i
     produced, steps = 1, 1
     while produced < len(tokens):
         steps += 1
-        guess = tables.propose(key, tokens[:produced - 1], 1 + draft_tokens)
-        produced += (_kept(guess, tokens, produced) or 0) + 1
+        # The pending token tokens[produced - 1] is fed, then guess[1:]; each sample counts
+        # while the guesses before it held.
+        fed = tables.propose(key, tokens[:produced - 1], 1 + draft_tokens)[1:]
+        match = 0
+        while match < len(fed) and produced + match < len(tokens) \
+                and fed[match] == tokens[produced + match]:
+            match += 1
+        produced += match + 1
     return steps
 
 
