@@ -20,14 +20,17 @@ And what the engine's drafts (gpu_worker.guided.drafts, `--draft-tokens`) would 
 same outputs, the model agreeing with every one of them but guessed tokens checked for real:
 the instances stream through one DraftTables as a rank's commits would fill it (keyed by
 schema; the first `--warm` instances fill it and are not counted), and each row follows the
-engine's pipeline: a row whose samples are on their way feeds the last of them and the
-guesses its last commit made (from its committed tokens and the guesses its launched forward
-verifies), and yields the samples up to the first wrong guess plus one; the next forward,
-launched before the guesses are checked, yields nothing where one was wrong, and the row then
-feeds its last committed token without a draft.
-The `every step` column is the same tables and guesses with a draft at every step and no step
-lost to the pipeline (each step's guess made from every token before it): what drafting at
-every step could reach at most with these tables.
+engine's pipeline: a guess made at a commit from the committed tokens; where its first token
+is the pending sample, the next step feeds the rest and yields the samples up to the first
+wrong guess plus one; the step after, launched before that is known, yields one more token
+if every guess held and nothing otherwise, and the row then feeds its last committed token
+and drafts again after that. The `chained` column is drafting at every step through the
+same pipeline (each guess continuing from the guesses the launched forward feeds; a row
+feeding its last committed token again drafts after it too): built and measured on the
+serving path at e369638 (fewer steps, no more tokens/s on a host-bound rank), not kept.
+The `every step` column is the same tables with a draft at every step and no step lost to
+the pipeline (each step's guess made from every token before the pending one): what drafting
+at every step could reach at most with these tables.
 
 By default the schemas compile as a client sends them with default options (JSON Schema
 semantics: any property order, unlisted properties allowed, so no key is forced); `--strict`
@@ -83,35 +86,43 @@ def steps(draftable: list[int]) -> int:
     return n
 
 
-def draft_steps(tables: DraftTables, key: str, tokens: list[int], draft_tokens: int) -> int:
-    """Steps of one output under the engine's drafts (see the module docstring); the first
-    token comes from the prefill step."""
+def draft_steps(tables: DraftTables, key: str, tokens: list[int], draft_tokens: int,
+                chained: bool = False) -> int:
+    """Steps of one output under the engine's drafts (see the module docstring), or with
+    `chained` under drafts at every step; the first token comes from the prefill step."""
     n = len(tokens)
     steps, committed = 1, 0
     flight = kept = 1  # samples of the last sampling point on their way, of which the commit keeps
     draft = tables.propose(key, [], 1 + draft_tokens)  # made at the row's start
     while committed + kept < n:
         steps += 1
-        # The plan: a row with samples on their way feeds the last and its draft's guesses.
-        # A row whose last committed token is fed again (after a void forward) feeds the
-        # guess after it whole; one whose samples are on their way, the guess after its first
-        # token (the guess of the last of them).
-        guess = draft if flight else [tokens[committed - 1], *draft[:draft_tokens]]
+        # The plan: a row whose one sample is on its way (chained: any) feeds it and its
+        # draft's guesses; chained, a row feeding its last committed token again (after a
+        # void forward) feeds the guess after it whole and guesses on at once.
+        if chained and not flight:
+            guess = [tokens[committed - 1], *draft[:draft_tokens]]
+        else:
+            guess = draft if flight == 1 or (chained and flight) else []
         fed = guess[1:] if len(guess) >= 2 else []
-        if not flight and fed:  # no commit before its next plan: it guesses on at once
+        if chained and not flight and fed:
             draft = tables.propose(key, tokens[:committed] + fed, 1 + draft_tokens)
         void = kept < flight  # the commit below cuts the row: this forward is void for it
         committed += kept
-        if flight:  # the commit guesses again, from the guesses fed unless it cut the row
-            draft = tables.propose(key, tokens[:committed] + ([] if void else fed),
-                                   1 + draft_tokens)
+        if flight and (chained or not fed or void):
+            # The commit guesses again: from the committed tokens, and chained from the
+            # guesses fed now too unless it cut the row.
+            draft = tables.propose(key, tokens[:committed] + (fed if chained and not void
+                                                              else []), 1 + draft_tokens)
+        elif flight:
+            draft = []
         if void:  # the row samples nothing; its next forward feeds its last committed token
             flight = kept = 0
             continue
         if fed and guess[0] != tokens[committed - 1]:
             # The token it fed first was not the one guessed: only its first position is
-            # sampled (the guesses after it are void) and the row guesses again from there.
-            draft = tables.propose(key, tokens[:committed], 1 + draft_tokens)
+            # sampled (the guesses after it are void); chained, it guesses again from there.
+            if chained:
+                draft = tables.propose(key, tokens[:committed], 1 + draft_tokens)
             fed = []
         match = 0
         while match < len(fed) and committed + match < n \
@@ -161,7 +172,7 @@ def main(argv=None) -> int:
     print(f"vocabulary {judge.vocab.model_vocab_size} tokens, {ns.instances} instances per row; "
           f"options {options or 'default'}; steps per output token (the stop token counted)")
     print(f"{'family':8} {'layout':8} {'tokens':>7} {'with a draft':>13} {'draft bound':>12} "
-          f"{'drafts':>8} {'every step':>11}")
+          f"{'drafts':>8} {'chained':>8} {'every step':>11}")
     for family in ns.families.split(","):
         schemas = [json.loads(s) for s in load_schemas(family)]
         builds = [judge.build(s, "gramserve", **options) for s in schemas]
@@ -169,7 +180,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"{family}: a schema does not compile on llguidance")
         for layout, separators in LAYOUTS.items():
             rng = random.Random(ns.seed)
-            total = drafted = draft = bound = 0
+            total = drafted = draft = bound = chained = 0
             tables, counted, engine = DraftTables(), 0, 0
             for n in range(ns.warm + ns.instances):
                 i = rng.randrange(len(schemas))
@@ -181,11 +192,14 @@ def main(argv=None) -> int:
                     drafted += sum(1 for d in draftable if d)
                     draft += steps(draftable)
                     engine += draft_steps(tables, str(i), tokens + [STOP], ns.draft_tokens)
+                    chained += draft_steps(tables, str(i), tokens + [STOP], ns.draft_tokens,
+                                           chained=True)
                     bound += every_step(tables, str(i), tokens + [STOP], ns.draft_tokens)
                     counted += len(tokens) + 1
                 tables.observe(str(i), tokens + [STOP], 0)
             print(f"{family:8} {layout:8} {total:7d} {drafted / total:13.3f} "
-                  f"{draft / total:12.3f} {engine / counted:8.3f} {bound / counted:11.3f}")
+                  f"{draft / total:12.3f} {engine / counted:8.3f} {chained / counted:8.3f} "
+                  f"{bound / counted:11.3f}")
     return 0
 
 

@@ -106,10 +106,6 @@ def test_drafts_are_verified_kept_and_cut_and_save_steps(results):
     # Some agree with the model (each saves a step), some do not (cut where they differ).
     assert 0 < stats["draft_accepted"] < stats["drafted"], stats
     assert stats["row_forwards"] < plain["row_forwards"], (stats, plain)
-    # Rows draft at every step: a forward continues the guesses of the one before (its
-    # samples still on the device), and a row whose forward was void drafts from the host.
-    assert stats["drafts_chained"] > 0 and stats["drafts_from_host"] > 0, stats
-    assert stats["drafts_fresh"] > 0, stats
 
 
 def test_a_draft_cut_by_max_tokens_ends_exactly_there(results):

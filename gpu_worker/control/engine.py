@@ -49,22 +49,18 @@ Three shortcuts do less work for exactly the same tokens (each can be turned off
   is decided when its previous token is accepted (its mask fill starts then, or never).
   (Every rank sees the same acceptances in the same order, so every rank makes the same
   choices.)
-- Drafts (`draft_tokens`, gpu_worker.guided.drafts): an accept-first row feeds after its
-  newest token (its last sample, pending on the device, or its last committed one) up to
-  `draft_tokens` guessed tokens and gets logits at every position (`Seq.draft`). The guess is
-  made at the row's last commit from its committed tokens and, where the forward launched
-  before that commit verifies guesses, those guesses too (`Run.fed_guesses`); its first token
-  guesses the pending sample. So a row drafts at every step, each forward continuing the
-  guesses of the one before. At the sampling point (the pending sample committed by then),
-  if the token fed first is the one guessed, every position is sampled with its own noise
-  index, unmasked, like any accept-first token: each saw the context a one-token-a-step
-  decode would give it if the guesses before it hold. Otherwise only the first, the keys
-  written after it are void and the row guesses again from its committed tokens. The commit
-  keeps the samples while each equals the guess fed after it (a refused one is sampled again
-  as above) and stops at the first that differs: that one is the row's next input. The row's
-  next forward, launched before that commit, fed its last sample as if every guess held;
-  where one did not, that forward's output for the row is dropped (the row lost that step,
-  the batch nothing) and the row feeds its true last token next, with a guess from there.
+- Drafts (`draft_tokens`, gpu_worker.guided.drafts): an accept-first row whose token is
+  pending on the device feeds after it up to `draft_tokens` guessed tokens (the guess made at
+  its last commit, whose first token is the guess of the pending one) and gets logits at
+  every position (`Seq.draft`). Once the commit before the sampling point shows the pending
+  token was the first guess, each position is sampled with its own noise index, unmasked,
+  like any accept-first token; otherwise only the first, and the keys written after it are
+  void. The commit keeps the samples while each equals the guess fed after it (a refused one
+  is sampled again as above) and stops at the first that differs: that one is the row's next
+  input. The row's next forward, launched before that commit, fed its last sample as if every
+  guess held; where one did not, that forward's output for the row is dropped (the row lost
+  that step, the batch nothing) and the row feeds its true last token next. Rows draft every
+  other step at most: a guess is made only from committed tokens.
 
 Drain (SIGTERM): `drain()` asks this rank's group to start nothing more and to end once its
 running rows finish, within `drain_timeout_s`. The request travels in the control all-reduce
@@ -215,7 +211,6 @@ class Run:
     # Drafted tokens (gpu_worker.guided.drafts): the guess of the tokens from the one being
     # sampled after its last commit on, and how many of `generated` the tables have seen.
     draft: list[int] = field(default_factory=list)
-    fed_guesses: list[int] = field(default_factory=list)  # fed after its pending token, last
     observed: int = 0
 
     @property
@@ -595,7 +590,9 @@ class Engine:
                   and r.known > r.fed and not (r.pending and self._ends_by_length(r))]
         prefill = sorted((r for r in self.runs.values() if r.prefilled < len(r.req.prompt)),
                          key=lambda r: (r.start_step, r.slot))
-        seqs = [self._drafted(r) for r in sorted(decode, key=lambda r: r.slot)]
+        seqs = [self._drafted(r) if r.pending == 1 and r.draft
+                else Seq(r, [0] if r.pending else r.generated[r.fed:], True, False)
+                for r in sorted(decode, key=lambda r: r.slot)]
         # A long prompt is chunked so decoding slots keep their pace; some prefill always runs.
         budget = max(self.cfg.step_tokens - sum(len(s.tokens) for s in seqs),
                      32 if prefill else 0)
@@ -609,31 +606,15 @@ class Engine:
         return seqs
 
     def _drafted(self, r: Run) -> Seq:
-        """The sequence of a decode row: its newest sample where it is pending on the device,
-        else its output tokens not yet in its cache (one, or a chain of forced tokens), and
-        after its newest token the row's draft where it may verify one (an accept-first row
-        with room for the samples before max_tokens and the model's length). The draft's
-        first token is that newest token (its guess, where it is still on the device).
-        `Run.fed_guesses` keeps what it fed after that token: its next guess continues from
-        there (made at its next commit, or here for a row that feeds from the host, which has
-        no commit before its next plan)."""
-        host = [] if r.pending else r.generated[r.fed:]
+        """The sequence of a decode row whose token is pending on the device: that token, and
+        after it the row's draft where it may verify one (an accept-first row with room for
+        the samples before max_tokens and the model's length)."""
         room = min(1 + self.cfg.draft_tokens, r.req.max_tokens - r.known,
                    self.cfg.max_model_len - r.prefilled - r.known)
-        draft = r.draft[:room] if r.pending else (
-            [host[0], *r.draft[:room - 1]] if len(host) == 1 and r.draft else [])
-        before, r.draft, r.fed_guesses = r.fed_guesses, [], []
+        draft, r.draft = r.draft[:room], []
         if len(draft) < 2 or r.redo is not None or r.chained or not self._accept_first(r):
-            return Seq(r, host or [0], True, False)
-        r.fed_guesses = draft[1:]
-        # Drafting on from the guesses of the forward before, or from the host after a void
-        # one: what drafting every other step could not.
-        self.stats["drafts_chained" if before and not host else
-                   "drafts_from_host" if host else "drafts_fresh"] += 1
-        if host:
-            r.draft = self.drafts.propose(r.req.grammar.key, r.generated + r.fed_guesses,
-                                          1 + self.cfg.draft_tokens)
-        return Seq(r, [*(host or [0]), *draft[1:]], True, False, draft)
+            return Seq(r, [0], True, False)
+        return Seq(r, [0, *draft[1:]], True, False, draft)
 
     def _ends_by_length(self, r: Run) -> bool:
         return r.known >= r.req.max_tokens or r.prefilled + r.known >= self.cfg.max_model_len
@@ -714,9 +695,8 @@ class Engine:
         are sampled too, from their saved logits (`Run.redo`), after the step's own rows; those
         the last commit refused wait for the next sampling point (their fills run meanwhile,
         off the critical path), whatever the timing, so every rank samples them at the same
-        step (I2/I3). A row that fed drafts samples at each of their positions when the token
-        it fed first is the one guessed, else at the first, and nothing where the commit since
-        cut it (its forward is void)."""
+        step (I2/I3). A row that fed drafts samples at each of their positions when its pending
+        token (committed since) was the draft's first guess, else only at the first."""
         live = [s.run for s in seqs if s.samples and self.runs.get(s.run.slot) is s.run
                 and s.run.redo is None]
         redo = [r for r in self._redo if self.runs.get(r.slot) is r]
@@ -835,10 +815,7 @@ class Engine:
         A row that took forced tokens samples nothing now (they feed its next forward). A row
         that fed drafts samples at every position when the token it fed first (committed
         since) is the draft's first guess; otherwise the keys and values written after that
-        token are void, it samples once and guesses again from its committed tokens. Where
-        the commit since cut the row (a sample before the token it fed first differed from its
-        guess, or was refused), this forward's output for the row is void: it samples
-        nothing."""
+        token are void and it samples once."""
         keep, rows, ahead, expect = [], [], [], []
         verifying = False
         for s in seqs:
@@ -846,7 +823,7 @@ class Engine:
             if not s.samples or self.runs.get(r.slot) is not r or r.redo is not None:
                 continue
             n = len(s.draft)
-            if n > 1 and r.fed == r.known + n - 1:  # not cut by the commit since
+            if n > 1 and r.fed == r.known + n - 1:
                 if r.generated[-1] == s.draft[0]:
                     keep.extend(range(s.out, s.out + n))
                     rows.extend([r] * n)
@@ -857,11 +834,7 @@ class Engine:
                     if self.metrics is not None:
                         self.metrics.drafted_tokens.inc(n - 1)
                     continue
-                # The token it fed first was not the one guessed: the guesses after it are
-                # void (guessed after another token); it samples once and guesses again.
                 r.fed -= n - 1
-                r.draft = self.drafts.propose(r.req.grammar.key, r.generated,
-                                              1 + self.cfg.draft_tokens)
             if r.fed == r.known:
                 keep.append(s.out)
                 rows.append(r)
@@ -1020,16 +993,8 @@ class Engine:
             key = r.req.grammar.key
             self.drafts.observe(key, r.generated, r.observed)
             r.observed = len(r.generated)
-            if self.runs.get(r.slot) is not r or r.af_skip:
-                continue
-            ahead = r.fed - len(r.generated)
-            if ahead <= 0:
-                context = r.generated
-            elif ahead == len(r.fed_guesses):  # verifying them in the forward launched since
-                context = r.generated + r.fed_guesses
-            else:
-                continue
-            r.draft = self.drafts.propose(key, context, 1 + self.cfg.draft_tokens)
+            if self.runs.get(r.slot) is r and r.fed <= len(r.generated) and r.af_skip == 0:
+                r.draft = self.drafts.propose(key, r.generated, 1 + self.cfg.draft_tokens)
 
     def _submit(self, runs: list[Run], forced: bool = True) -> None:
         """Start the fill-thread job of `runs` (gpu_worker.guided.forced.prepare): fill their
