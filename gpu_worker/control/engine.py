@@ -309,15 +309,19 @@ class _IndexStage:
 
     def __call__(self, values: list[int]) -> torch.Tensor:
         """`values` as an int64 index on the device (valid until the next `start()`)."""
-        return self.block([values], torch.int64)[0]
+        return self._put([values], torch.int64)
 
     def block(self, columns: list[list], dtype: torch.dtype) -> torch.Tensor:
         """Equal-length `columns` as one (len(columns), n) tensor of `dtype` (int64 or
         float32) on the device, valid until the next `start()`."""
+        return self._put(columns, dtype).view(len(columns), len(columns[0]))
+
+    def _put(self, columns: list[list], dtype: torch.dtype) -> torch.Tensor:
+        """The columns one after another, as one 1-D tensor on the device."""
         n = len(columns[0])
         a, b = self._at[dtype], self._at[dtype] + n * len(columns)
         if b > len(self._words[dtype]):
-            out = torch.tensor(columns, dtype=dtype)
+            out = torch.tensor([v for column in columns for v in column], dtype=dtype)
             if self.device.type == "cuda":
                 out = out.pin_memory().to(self.device, non_blocking=True)
             return out
@@ -326,9 +330,8 @@ class _IndexStage:
             words[a + k * n:a + (k + 1) * n] = column
         self._at[dtype] = b
         if self._dev is None:
-            return self._host[dtype][a:b].view(len(columns), n)
-        return self._dev[dtype][a:b].copy_(self._host[dtype][a:b],
-                                           non_blocking=True).view(len(columns), n)
+            return self._host[dtype][a:b]
+        return self._dev[dtype][a:b].copy_(self._host[dtype][a:b], non_blocking=True)
 
 
 def _flags(rows: list[Run]) -> SamplingFlags:
