@@ -274,13 +274,14 @@ class _InFlight:
     expect: list[int | None] | None = None
 
 
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 index tensor on `device`, copied from pinned memory without blocking: a copy
-    from pageable memory would wait for the forward queued before it."""
-    index = torch.tensor(values, dtype=torch.int64)
+def _index(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A 1-D tensor (an int64 index by default) on `device`, copied from pinned memory
+    without blocking: a copy from pageable memory would wait for the forward queued before
+    it."""
+    out = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
-        index = index.pin_memory().to(device, non_blocking=True)
-    return index
+        out = out.pin_memory().to(device, non_blocking=True)
+    return out
 
 
 class _IndexStage:
@@ -321,10 +322,7 @@ class _IndexStage:
         n = len(columns[0])
         a, b = self._at[dtype], self._at[dtype] + n * len(columns)
         if b > len(self._words[dtype]):
-            out = torch.tensor([v for column in columns for v in column], dtype=dtype)
-            if self.device.type == "cuda":
-                out = out.pin_memory().to(self.device, non_blocking=True)
-            return out
+            return _index([v for column in columns for v in column], self.device, dtype)
         words = self._words[dtype]
         for k, column in enumerate(columns):
             words[a + k * n:a + (k + 1) * n] = column
