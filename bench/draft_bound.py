@@ -86,6 +86,15 @@ def steps(draftable: list[int]) -> int:
     return n
 
 
+def _held(fed: list[int], tokens: list[int], at: int) -> int:
+    """How many of the guesses `fed` after the pending token match the output from `at` on:
+    the samples after the first that count."""
+    match = 0
+    while match < len(fed) and at + match < len(tokens) and fed[match] == tokens[at + match]:
+        match += 1
+    return match
+
+
 def draft_steps(tables: DraftTables, key: str, tokens: list[int], draft_tokens: int,
                 chained: bool = False) -> int:
     """Steps of one output under the engine's drafts (see the module docstring), or with
@@ -102,7 +111,7 @@ def draft_steps(tables: DraftTables, key: str, tokens: list[int], draft_tokens: 
         if chained and not flight:
             guess = [tokens[committed - 1], *draft[:draft_tokens]]
         else:
-            guess = draft if flight == 1 or (chained and flight) else []
+            guess = draft if flight == 1 or chained else []
         fed = guess[1:] if len(guess) >= 2 else []
         if chained and not flight and fed:
             draft = tables.propose(key, tokens[:committed] + fed, 1 + draft_tokens)
@@ -124,11 +133,7 @@ def draft_steps(tables: DraftTables, key: str, tokens: list[int], draft_tokens: 
             if chained:
                 draft = tables.propose(key, tokens[:committed], 1 + draft_tokens)
             fed = []
-        match = 0
-        while match < len(fed) and committed + match < n \
-                and fed[match] == tokens[committed + match]:
-            match += 1
-        flight, kept = 1 + len(fed), 1 + match
+        flight, kept = 1 + len(fed), 1 + _held(fed, tokens, committed)
     return steps
 
 
@@ -141,11 +146,7 @@ def every_step(tables: DraftTables, key: str, tokens: list[int], draft_tokens: i
         # The pending token tokens[produced - 1] is fed, then guess[1:]; each sample counts
         # while the guesses before it held.
         fed = tables.propose(key, tokens[:produced - 1], 1 + draft_tokens)[1:]
-        match = 0
-        while match < len(fed) and produced + match < len(tokens) \
-                and fed[match] == tokens[produced + match]:
-            match += 1
-        produced += match + 1
+        produced += _held(fed, tokens, produced) + 1
     return steps
 
 

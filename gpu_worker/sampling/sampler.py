@@ -108,18 +108,18 @@ class SamplingBatch:
             if not all(ok(v) for v in columns[name]):
                 raise ValueError(f"{name}: every value must be {rule}")
         flags = SamplingFlags.of(temperature, top_k, top_p, min_p)
-        # Two packed host tensors (pinned for a GPU, from PyTorch's caching host allocator),
-        # so a step costs two non-blocking copies instead of six pageable ones.
+        # Two packed tensors, so a step costs two non-blocking copies instead of six pageable
+        # ones: staged, or made here (pinned for a GPU, from PyTorch's caching host allocator).
+        float_rows = [list(temperature), list(top_p), list(min_p)]
+        int_rows = [list(top_k), list(seed), list(step)]
         if stage is not None:
-            floats = stage([list(temperature), list(top_p), list(min_p)], torch.float32)
-            ints = stage([list(top_k), list(seed), list(step)], torch.int64)
+            floats, ints = stage(float_rows, torch.float32), stage(int_rows, torch.int64)
         else:
-            floats = torch.tensor([list(temperature), list(top_p), list(min_p)],
-                                  dtype=torch.float32)
-            ints = torch.tensor([list(top_k), list(seed), list(step)], dtype=torch.int64)
-        if stage is None and torch.device(device).type == "cuda":
-            floats = floats.pin_memory().to(device, non_blocking=True)
-            ints = ints.pin_memory().to(device, non_blocking=True)
+            floats = torch.tensor(float_rows, dtype=torch.float32)
+            ints = torch.tensor(int_rows, dtype=torch.int64)
+            if torch.device(device).type == "cuda":
+                floats = floats.pin_memory().to(device, non_blocking=True)
+                ints = ints.pin_memory().to(device, non_blocking=True)
         tensors = {"temperature": floats[0], "top_p": floats[1], "min_p": floats[2],
                    "top_k": ints[0].to(torch.int32), "seed": ints[1], "step": ints[2]}
         return cls(**tensors, flags=flags)
