@@ -204,21 +204,24 @@ def host_cost(report: Report, backends: dict) -> None:
     apply_token_bitmask_(logits, bitmask)
     config = mask_kernel.choose_config(4, 1, 32000)
     args = (logits, logits.stride(0), bitmask, bitmask.stride(0), bitmask, 1, 1, 32000, 32000, 1000)
-    kernel = mask_kernel._compiled[mask_kernel._spec_key(args, config, False)]
+    launcher = mask_kernel.launcher
+    constexprs = (False, config.block_words)
+    kernel = launcher.compiled[launcher.key(args, constexprs, config.num_warps)]
     stream = torch.cuda.current_stream().cuda_stream
 
     def python_side():
         check_mask_args(logits, bitmask, None, None)
-        mask_kernel._spec_key(args, mask_kernel.choose_config(4, 1, 32000), False)
+        c = mask_kernel.choose_config(4, 1, 32000)
+        launcher.key(args, (False, c.block_words), c.num_warps)
 
     def bare_run():
         kernel.run(1, 32, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *args, False, config.block_words)
 
     def triton_jit_launch():
-        mask_kernel._fast_launch = False
+        launcher.fast = False
         apply_token_bitmask_(logits, bitmask)
-        mask_kernel._fast_launch = True
+        launcher.fast = True
 
     fns = {"torch logits.neg_() (native launch)": logits.neg_,
            "ours: checks + config + key only": python_side,

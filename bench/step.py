@@ -339,6 +339,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="tokenizer.json for the guided vs unguided engine table")
     parser.add_argument("--skip-forward-table", action="store_true")
+    parser.add_argument("--graphs-only", action="store_true",
+                        help="time the engine step with CUDA graphs only (no eager table)")
     parser.add_argument("--fill-threads-sweep", action="store_true",
                         help="also time the guided step with several mask-fill thread counts")
     parser.add_argument("--drafts-table", action="store_true",
@@ -360,7 +362,8 @@ def main() -> None:
             if device.type == "cuda":
                 diff = check_graph_matches_eager(model, min(8, max(batches)), args.context)
                 print(f"# graph replay vs eager forward: max |logit diff| = {diff:.3g}")
-            for graphs in ([True, False] if device.type == "cuda" else [False]):
+            modes = [True] if args.graphs_only else [True, False]
+            for graphs in (modes if device.type == "cuda" else [False]):
                 guided_table(model, Path(tmp), batches, args.context, args.steps, graphs)
         if args.fill_threads_sweep and args.tokenizer is not None:
             batch = max(batches)

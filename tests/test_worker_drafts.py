@@ -1,8 +1,8 @@
 """Drafted tokens (gpu_worker.guided.drafts) change how many steps a row takes, never a token.
 
-Three engines in process, 48 slots each, the same requests: every shortcut off (mask-first
-sampling, the reference), forced tokens and accept-first without drafts, and all three. The
-requests are those of tests/test_worker_shortcuts.py (JSON schemas, a regex, a choice list,
+Engines in process, 48 slots each, the same requests: every shortcut off (mask-first
+sampling, the reference), forced tokens and accept-first without drafts, all three, and all
+three with fused sampling points (gpu_worker.sampling.kernel.sample_rows). The requests are those of tests/test_worker_shortcuts.py (JSON schemas, a regex, a choice list,
 EBNF, a forced literal; xgrammar and llguidance; greedy, seeded temperature, top-p and
 logprobs rows; unguided neighbours) plus rows under a permissive regex, which the test
 model's random weights mostly follow, so that accept-first holds and drafts get verified:
@@ -30,8 +30,10 @@ from grammar_service.specs import parse_spec
 from protos import common_pb2
 
 PERMISSIVE = r"[^\n]{0,400}"
-# (forced tokens, accept-first, draft tokens)
-CONFIGS = {"off": (False, False, 0), "no_drafts": (True, True, 0), "drafts": (True, True, 2)}
+# (forced tokens, accept-first, draft tokens, fused sampling points; None: the device's
+# default, off on the CPU, on with GRAMSERVE_TEST_DEVICE=cuda)
+CONFIGS = {"off": (False, False, 0, False), "no_drafts": (True, True, 0, None),
+           "drafts": (True, True, 2, None), "fused": (True, True, 2, True)}
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +85,10 @@ def draft_requests(vocab, constraints, llg) -> list[Request]:
 @pytest.fixture(scope="module")
 def results(model_dir):
     out = {}
-    for config, (forced, accept_first, drafts) in CONFIGS.items():
+    for config, (forced, accept_first, drafts, fused) in CONFIGS.items():
         harness = EngineHarness(model_dir, slots=48, max_model_len=128, step_tokens=256,
                                 forced_tokens=forced, accept_first=accept_first,
-                                draft_tokens=drafts)
+                                draft_tokens=drafts, fused_sampling=fused)
         constraints, llg = grammars(harness.vocab)
         reqs = draft_requests(harness.vocab, constraints, llg)
         assert len(reqs) >= 48
@@ -97,6 +99,18 @@ def results(model_dir):
 def test_drafts_give_the_tokens_of_mask_first_sampling(results):
     for config in ("no_drafts", "drafts"):
         assert_same_outputs(results["off"][0], results[config][0], config)
+
+
+def test_fused_sampling_points_give_the_tokens_of_the_op_by_op_path(results):
+    """Every shortcut and drafts on, sampling points fused (gpu_worker.sampling.kernel, under
+    the interpreter here: its noise equals the PyTorch path's on the CPU) wherever the rows
+    allow it: the tokens, finishes and logprobs of mask-first sampling op by op. Points with
+    top-p or logprobs rows run op by op, so both paths ran, with redo rows and drafts."""
+    assert_same_outputs(results["off"][0], results["fused"][0], "fused")
+    stats = results["fused"][1]
+    assert 0 < stats["fused_points"] < stats["sampling_points"], stats
+    assert stats["resamples"] > 0 and stats["draft_accepted"] > 0, stats
+    assert results["off"][1].get("fused_points", 0) == 0
 
 
 def test_drafts_are_verified_kept_and_cut_and_save_steps(results):
@@ -218,10 +232,10 @@ def test_stop_ids_and_releases_end_drafted_rows_exactly(model_dir, results):
     answers = results["off"][0]
     outs = {}
     for config in ("off", "drafts"):
-        forced, accept_first, drafts = CONFIGS[config]
+        forced, accept_first, drafts, fused = CONFIGS[config]
         harness = EngineHarness(model_dir, slots=48, max_model_len=128, step_tokens=256,
                                 forced_tokens=forced, accept_first=accept_first,
-                                draft_tokens=drafts)
+                                draft_tokens=drafts, fused_sampling=fused)
         reqs, release = [], {}
         for wave in ("a", "b"):
             for name, matcher in permissive(harness.vocab):

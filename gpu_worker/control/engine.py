@@ -94,6 +94,7 @@ from gpu_worker.guided.drafts import DraftTables
 from gpu_worker.guided.forced import ChainRounds, ForcedScan, RowJob, prepare, single_allowed
 from gpu_worker.guided.masks import MaskFiller
 from gpu_worker.runtime.model import ForwardBatch, feed_tokens
+from gpu_worker.sampling.kernel import DEAD, NONFINITE, SINGLE, sample_rows
 from gpu_worker.sampling.sampler import SamplingBatch, SamplingFlags, sample
 from protos.rpc import public_message
 from protos.sampling import CONSTRAINED, UNCONSTRAINED
@@ -103,10 +104,10 @@ log = logging.getLogger(__name__)
 # Finish reasons, as plain strings (the server maps them to protos.FinishReason).
 STOP, LENGTH, GRAMMAR_COMPLETED, CANCELLED = "stop", "length", "grammar_completed", "cancelled"
 DEAD_END, DIVERGENCE, INTERNAL, UNAVAILABLE = "dead_end", "divergence", "internal", "unavailable"
-# Sampled ids that are no token: the row had no allowed token, or non-finite logits.
-_DEAD, _NONFINITE = -1, -2
-# Added to a sampled id on its way to the host: the row's mask allowed that token alone.
-_SINGLE = 1 << 32
+# Sampled ids that are no token: the row had no allowed token, or non-finite logits; and
+# what is added to a sampled id on its way to the host when the row's mask allowed it alone
+# (the fused kernel writes the same values).
+_DEAD, _NONFINITE, _SINGLE = DEAD, NONFINITE, SINGLE
 # gRPC's UNAVAILABLE as a number (the engine imports no grpc): a rank of the group failed.
 _UNAVAILABLE_CODE = 14
 
@@ -272,6 +273,9 @@ class _InFlight:
     # Per row of `rows`, for a row verifying drafts: the drafted token its sample must equal
     # for the row's next sample to count (None for a row's last or only sample).
     expect: list[int | None] | None = None
+    # Per row of `rows`, its row in `saved` (None: the same index; the fused path saves the
+    # step's logits as the forward wrote them, one row per `Seq.out`).
+    saved_rows: list[int] | None = None
 
 
 def _index(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -332,6 +336,33 @@ class _IndexStage:
         return self._dev[dtype][a:b].copy_(self._host[dtype][a:b], non_blocking=True)
 
 
+class _HostCopies:
+    """Where each step's sampled ids land on the host: two pinned buffers and two CUDA events
+    used in turn, so a step allocates neither. A buffer is written again two sampling points
+    later, long after its commit read it (each commit comes before the next sampling point)."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self._buffers = [torch.empty(capacity, dtype=torch.int64, pin_memory=cuda)
+                         for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._turn = 0
+
+    def put(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start the copy of (R,) int64 `values` to the host; (the host tensor, the event
+        recorded after the copy on CUDA, else None)."""
+        self._turn ^= 1
+        buffer, n = self._buffers[self._turn], values.shape[0]
+        host = (buffer[:n] if n <= buffer.shape[0]
+                else torch.empty(n, dtype=torch.int64, pin_memory=values.is_cuda))
+        host.copy_(values, non_blocking=True)
+        if self._events is None:
+            return host, None
+        done = self._events[self._turn]
+        done.record()
+        return host, done
+
+
 def _flags(rows: list[Run]) -> SamplingFlags:
     """The sampling flags of a batch of `rows` (what SamplingBatch.from_lists computes)."""
     reqs = [r.req for r in rows]
@@ -373,6 +404,9 @@ class EngineConfig:
     forced_round_cost: float = 1 / 16
     accept_first: bool = True        # sample temperature-only guided rows unmasked first
     accept_first_max_backoff: int = 64
+    # Sample a point's rows in one fused pass (gpu_worker.sampling.kernel.sample_rows) when
+    # they allow it (`Engine._fusable`); None: on CUDA. The same tokens either way.
+    fused_sampling: bool | None = None
     # Accept-first rows feed up to this many guessed tokens after their newest one and keep
     # the samples that agree (gpu_worker.guided.drafts); 0 turns drafts off.
     draft_tokens: int = 0
@@ -403,7 +437,9 @@ class Engine:
         self.device = device
         self.metrics = metrics
         # The labelled child, looked up once: a label lookup per token was 6 % of the step.
+        # Counted once a step (`_flush`), not per token: each inc takes the counter's lock.
         self._generated = metrics.tokens.labels(kind="generated") if metrics is not None else None
+        self._generated_now = 0  # tokens taken this step, not yet counted
         self.on_fatal = on_fatal
         self.publish = publish
         self.runs: dict[int, Run] = {}
@@ -428,6 +464,9 @@ class Engine:
         # A sampling point sends at most five indices and two sampling batches (three int64
         # and three float32 columns each) of at most that many rows.
         self._index = _IndexStage(8 * self.max_outputs, device)
+        self._wire = _HostCopies(self.max_outputs, device)
+        self._fused_sampling = (device.type == "cuda" if cfg.fused_sampling is None
+                                else cfg.fused_sampling)
         self.graphs = None
         # On CUDA every token attends through slot attention, so mixed steps replay graphs too.
         self.slot_attention = device.type == "cuda"
@@ -720,17 +759,6 @@ class Engine:
         if expect is not None:
             expect += [None] * len(redo)
         self._index.start()
-        parts = []
-        if keep:
-            if len(keep) < logits.shape[0]:
-                logits = logits.index_select(0, self._index(keep))
-            parts.append(logits)
-        if redo:  # all refused at one commit: one saved tensor
-            saved = redo[0].redo[0]
-            parts.append(saved.index_select(0, self._index([r.redo[1] for r in redo])))
-        logits = (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()   # (R, V)
-        if self.vocab_size < logits.shape[1]:
-            logits[:, self.vocab_size:] = float("-inf")  # padded ids are no tokens
         masked, af = [], []
         for j, r in enumerate(rows):
             if r.req.matcher is None:
@@ -747,20 +775,117 @@ class Engine:
         for r in rows:
             r.job = r.prep = None
             r.af_next = None
+        if af:
+            self.stats["accept_first"] += len(af)
+            if self.metrics is not None:
+                self.metrics.accept_first_sampled.inc(len(af))
+        n = len(rows) - len(redo)
+        self.stats["sampling_points"] += 1
+        if self._fusable(rows, redo):
+            self.stats["fused_points"] += 1
+            wire, tokens, saved, flags, lp = self._sample_fused(logits, keep, rows, n, ahead,
+                                                                masked, af, t)
+            saved_rows = keep
+        else:
+            wire, tokens, saved, flags, lp = self._sample_unfused(logits, keep, rows, n, ahead,
+                                                                  masked, af, t)
+            saved_rows = None
+        for r in rows[n:]:
+            r.redo = None
+        t_copy = time.perf_counter()
+        # One device-to-host copy per step, started now and waited for at the commit.
+        host, done = self._wire.put(wire)
+        for r in rows:  # a row verifying drafts has a sample at each of its positions
+            r.pending = 0
+        for r in rows:
+            r.pending += 1
+        t["sample"] += time.perf_counter() - t_copy
+        # A row's next forward reads its last sample (row_of): with drafts, the guess that
+        # every draft holds, checked at the commit.
+        return _InFlight(rows, tokens, host, done, self.step_index,
+                         {r.slot: j for j, r in enumerate(rows)}, lp, frozenset(af), saved,
+                         flags, expect, saved_rows)
+
+    def _fusable(self, rows: list[Run], redo: list[Run]) -> bool:
+        """Whether this sampling point runs as one fused pass (`_sample_fused`): on the device
+        that allows it, when every row samples with temperature only (greedy included), none
+        asks for logprobs or is under min_tokens, and the rows sampled again took the fused
+        kernel's path at their first try (their flags say temperature only). Decided from the
+        requests alone, so every rank decides alike (I3)."""
+        if not self._fused_sampling:
+            return False
+        for r in rows:
+            q = r.req
+            if (q.top_k or q.top_p < 1.0 or q.min_p > 0.0 or q.logprobs
+                    or r.known < q.min_tokens):
+                return False
+        if redo:
+            f = redo[0].redo[2]
+            return not (f.any_top_k or f.any_top_p or f.any_min_p)
+        return True
+
+    def _sample_fused(self, logits, keep, rows, n, ahead, masked, af, t):
+        """The sampling point as two kernels (gpu_worker.sampling.kernel.sample_rows): each row
+        reads its logits row in place (the step's, or the saved ones of a row sampled again),
+        the padded ids and a masked row's bitmask applied as it reads, Gumbel-max with the
+        row's noise, and the commit's value (dead, non-finite, the forced-token note) written
+        beside the token. The same tokens as `_sample_unfused` on this device: the score of
+        every column is the one the unfused kernel computes from logits masked in place."""
+        t0 = time.perf_counter()
+        redo = rows[n:]
+        mask_rows = [-1] * len(rows)
+        bitmask = None
+        if masked:
+            bitmask = self.masks.stage_rows([rows[j].slot for j in masked])
+            for i, j in enumerate(masked):
+                mask_rows[j] = i
+        t_sample = time.perf_counter()
+        t["mask_apply"] = t_sample - t0
+        reqs = [r.req for r in rows]
+        ints = self._index.block([keep + [r.redo[1] for r in redo], mask_rows,
+                                  [q.seed for q in reqs],
+                                  [r.known + a for r, a in zip(rows, ahead, strict=True)]],
+                                 torch.int64)
+        temperature = self._index.block([[q.temperature for q in reqs]], torch.float32)[0]
+        parts = [(logits, n)] if n else []
+        if redo:  # all refused at one commit: one saved tensor
+            parts.append((redo[0].redo[0], len(redo)))
+        out = sample_rows(parts, temperature, ints[2], ints[3], src=ints[0],
+                          mask_rows=ints[1] if masked else None, bitmask=bitmask,
+                          vocab_size=self.vocab_size,
+                          flag_single=bool(masked) and self.scan is not None)
+        # The step's logits as the forward wrote them, kept for a refused row (`saved_rows`:
+        # its row there is its `keep` entry). A graph's output buffer is overwritten by the
+        # next replay, so this is a copy.
+        saved = logits.clone() if af else None
+        flags = SamplingFlags(all(q.temperature == 0 for q in reqs[:n]), False, False, False)
+        t["sample"] = time.perf_counter() - t_sample
+        return out[1], out[0], saved, flags, None
+
+    def _sample_unfused(self, logits, keep, rows, n, ahead, masked, af, t):
+        """The sampling point op by op: gather the sampled rows' logits (the step's, then the
+        saved ones of rows sampled again), mask padded ids and the masked rows, sample, and
+        derive the commit's value (dead, non-finite, the forced-token note) and logprobs."""
+        redo = rows[n:]
+        parts = []
+        if keep:
+            if len(keep) < logits.shape[0]:
+                logits = logits.index_select(0, self._index(keep))
+            parts.append(logits)
+        if redo:  # all refused at one commit: one saved tensor
+            saved = redo[0].redo[0]
+            parts.append(saved.index_select(0, self._index([r.redo[1] for r in redo])))
+        logits = (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()   # (R, V)
+        if self.vocab_size < logits.shape[1]:
+            logits[:, self.vocab_size:] = float("-inf")  # padded ids are no tokens
         t_mask = time.perf_counter()
         raw = self._unmasked(logits, rows)
         if masked:
             self.masks.apply(logits, masked, [rows[j].slot for j in masked])
         self._suppress_early_stop(logits, rows)
-        saved = None
-        if af:
-            saved = logits.clone()  # every row: one device copy, no index to send
-            self.stats["accept_first"] += len(af)
-            if self.metrics is not None:
-                self.metrics.accept_first_sampled.inc(len(af))
+        saved = logits.clone() if af else None  # every row: one device copy, no index to send
         t_sample = time.perf_counter()
         t["mask_apply"] = t_sample - t_mask
-        n = len(rows) - len(redo)
         flags = None
         picked = []
         if n and redo and _flags(rows[:n]) == redo[0].redo[2]:
@@ -779,8 +904,6 @@ class Engine:
                 # differ in the last bit of the noise).
                 picked.append(sample(logits[n:], replace(self._sampling_batch(redo),
                                                          flags=redo[0].redo[2])))
-        for r in redo:
-            r.redo = None
         tokens, dead = picked[0] if len(picked) == 1 else map(torch.cat, zip(*picked, strict=True))
         # A NaN or +inf logit among the tokens a row may take is the model's failure, not
         # the grammar's: such a row is -2, a row with nothing allowed (a dead end) -1.
@@ -790,22 +913,8 @@ class Engine:
         wire = picked
         if masked and self.scan is not None:  # rows whose token was the only one allowed
             wire = torch.where(single_allowed(logits) & (picked >= 0), picked + _SINGLE, picked)
-        # One device-to-host copy per step, started now and waited for at the commit.
-        host = torch.empty(wire.shape, dtype=wire.dtype, pin_memory=wire.is_cuda)
-        host.copy_(wire, non_blocking=True)
-        done = torch.cuda.Event() if wire.is_cuda else None
-        if done is not None:
-            done.record()
-        for r in rows:  # a row verifying drafts has a sample at each of its positions
-            r.pending = 0
-        for r in rows:
-            r.pending += 1
         t["sample"] = time.perf_counter() - t_sample
-        # A row's next forward reads its last sample (row_of): with drafts, the guess that
-        # every draft holds, checked at the commit.
-        return _InFlight(rows, picked.clamp(min=0), host, done, self.step_index,
-                         {r.slot: j for j, r in enumerate(rows)}, lp, frozenset(af), saved,
-                         flags, expect)
+        return wire, picked.clamp(min=0), saved, flags, lp
 
     def _sampled_rows(self, seqs: list[Seq]):
         """The step's logit rows that sample (`keep`), the row of each, its position after
@@ -927,7 +1036,7 @@ class Engine:
                 self.metrics.tp_divergence.inc()
         lp = _logprob_rows(inflight)
         expect = inflight.expect
-        forced = 0
+        forced = kept = 0
         cut: set[int] = set()  # rows whose later samples do not count
         for j, r in enumerate(rows):
             # Released while its token was in flight, or its earlier sample ended it.
@@ -944,9 +1053,7 @@ class Engine:
                 r.forced_run = 0
             if expect is not None and expect[j] is not None and id(r) not in cut:
                 if picked[j] == expect[j]:
-                    self.stats["draft_accepted"] += 1
-                    if self.metrics is not None:
-                        self.metrics.draft_accepted.inc()
+                    kept += 1
                 else:
                     # The draft after this sample was wrong: the samples after it and the
                     # forward launched since (it fed the last) are void; the row feeds this
@@ -956,6 +1063,10 @@ class Engine:
                         r.fed = len(r.generated) - 1
         if self.drafts is not None:
             self._learn(rows, inflight)
+        if kept:
+            self.stats["draft_accepted"] += kept
+            if self.metrics is not None:
+                self.metrics.draft_accepted.inc(kept)
         if forced:
             self.stats["forced_tokens"] += forced
             if self.metrics is not None:
@@ -976,7 +1087,8 @@ class Engine:
             self.metrics.resamples.inc()
         self._accept_first_result(r, refused=True)
         r.fed = min(r.fed, len(r.generated))
-        r.redo = (inflight.saved, j, inflight.flags)
+        at = j if inflight.saved_rows is None else inflight.saved_rows[j]
+        r.redo = (inflight.saved, at, inflight.flags)
         r.af_next = False  # the token is sampled again masked, whatever the backoff says
         self._redo_next.append(r)
 
@@ -1087,8 +1199,7 @@ class Engine:
         r.draft = []  # a guess of what follows the output before this token
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
-        if self._generated is not None:
-            self._generated.inc()
+        self._generated_now += 1
         ends = token in req.stop_token_ids or (
             token in self.eos and (req.matcher is not None or not req.ignore_eos))
         if not ends:
@@ -1148,7 +1259,11 @@ class Engine:
             (r.first_token_at - r.req.admitted_at) if r.first_token_at else 0.0, code)
 
     def _flush(self) -> None:
-        """Hand this step's outputs to `publish` (rank 0) in one call."""
+        """Count this step's tokens; hand its outputs to `publish` (rank 0) in one call."""
+        if self._generated_now:
+            if self._generated is not None:
+                self._generated.inc(self._generated_now)
+            self._generated_now = 0
         if not self._outputs:
             return
         outputs, self._outputs = list(self._outputs.values()), {}

@@ -9,9 +9,10 @@ mask once. (Reading only the allowed logits, one predicated scalar load each, me
 same on the H200 at 1 % allowed and is slower when most tokens are allowed.) Row indices live on the device, so a launch needs no sync
 and can be captured in a CUDA graph.
 
-On CUDA the launcher keeps the compiled kernel of each specialisation and calls it directly,
-skipping Triton's per-call argument binding (most of its host cost). On the CPU the same
-kernel runs under TRITON_INTERPRET=1, which must be set before triton is first imported.
+On CUDA the launcher (gpu_worker.runtime.triton_launch) keeps the compiled kernel of each
+specialisation and calls it directly, skipping Triton's per-call argument binding (most of
+its host cost). On the CPU the same kernel runs under TRITON_INTERPRET=1, which must be set
+before triton is first imported.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from gpu_worker.guided.mask_reference import check_mask_args
+from gpu_worker.runtime.triton_launch import FastLaunch
 
 
 @dataclass(frozen=True)
@@ -83,24 +85,9 @@ def choose_config(element_size: int, n_rows: int, n_cols: int) -> KernelConfig:
     return config if programs >= _MIN_PROGRAMS else _SMALL_CONFIG
 
 
-# Compiled kernels by specialisation key (see _spec_key); filled on first use of each key.
-_compiled: dict[tuple, object] = {}
-# False routes every CUDA launch through Triton's own launch path (the bench compares both).
-_fast_launch = True
-
-
-def _spec_key(args: tuple, config: KernelConfig, has_rows: bool) -> tuple:
-    # Mirrors what Triton specialises a compiled kernel on: each pointer's dtype and 16-byte
-    # alignment, each int being 1, divisible by 16, or wider than 32 bits. Splitting finer
-    # than Triton does is harmless; coarser would reuse a kernel compiled for other
-    # assumptions, so every launch argument is in the key.
-    key = [config, has_rows]
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            key.append((arg.dtype, arg.device.index, arg.data_ptr() % 16 == 0))
-        else:
-            key.append((arg == 1, arg % 16 == 0, arg >= 2**31))
-    return tuple(key)
+# Compiled kernels by specialisation, launched directly (`launcher.fast = False` routes every
+# CUDA launch through Triton's own launch path: the bench compares both).
+launcher = FastLaunch(_apply_bitmask_kernel)
 
 
 def _launch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None,
@@ -115,23 +102,7 @@ def _launch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | No
             rows if has_rows else bitmask,  # a dummy pointer when every row is guided
             n_batch, bitmask.shape[0], n_cols, n_valid, n_words)
     grid = (n_rows, _cdiv(n_cols, 32 * config.block_words), 1)
-    constexprs = (has_rows, config.block_words)
-    if logits.device.type != "cuda" or not _fast_launch:
-        _apply_bitmask_kernel[grid](*args, *constexprs, num_warps=config.num_warps)
-        return
-    key = _spec_key(args, config, has_rows)
-    kernel = _compiled.get(key)
-    if kernel is None:
-        # The first launch of a specialisation goes through Triton, which compiles it.
-        with torch.cuda.device(logits.device):
-            _compiled[key] = _apply_bitmask_kernel[grid](*args, *constexprs,
-                                                         num_warps=config.num_warps)
-        return
-    # Same call as Triton's own launch path, minus binding and key computation; launch hooks
-    # (profilers that use them) are not called.
-    stream = torch._C._cuda_getCurrentRawStream(logits.device.index)
-    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
-               None, None, None, *args, *constexprs)
+    launcher(grid, args, (has_rows, config.block_words), config.num_warps, logits.device)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,

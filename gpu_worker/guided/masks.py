@@ -75,21 +75,28 @@ class MaskFiller:
             matcher.fill_next_token_bitmask(self.host, slot)
         return time.perf_counter() - t0
 
-    def apply(self, logits: torch.Tensor, positions: list[int], slots: list[int]) -> None:
-        """Mask logits rows `positions` (of (R, V)) in place with slot rows `slots`. The
-        staging buffers are free again once the device work queued after their previous use
-        has run (the engine syncs on each step's sampled ids)."""
-        k = len(positions)
-        st = self._stage
-        st.words[0, :k] = positions
+    def stage_rows(self, slots: list[int]) -> torch.Tensor:
+        """Slot rows `slots` of the bitmask as one (k, width) int32 tensor on the device, copied
+        without blocking (on the CPU, a gathered copy). Valid until the next `stage_rows` or
+        `apply`: the staging buffers are free again once the device work queued after their
+        previous use has run (the engine syncs on each step's sampled ids)."""
+        st, k = self._stage, len(slots)
         st.words[1, :k] = slots
         if st.dev is self.host:
-            rows, guided = st.rows_host[0, :k], self.host.index_select(0, st.rows_host[1, :k])
+            return self.host.index_select(0, st.rows_host[1, :k])
+        torch.index_select(self.host, 0, st.rows_host[1, :k], out=st.stage[:k])
+        return st.dev[:k].copy_(st.stage[:k], non_blocking=True)  # (k, words)
+
+    def apply(self, logits: torch.Tensor, positions: list[int], slots: list[int]) -> None:
+        """Mask logits rows `positions` (of (R, V)) in place with slot rows `slots`."""
+        k = len(positions)
+        guided = self.stage_rows(slots)
+        st = self._stage
+        st.words[0, :k] = positions
+        if st.dev is self.host:
+            rows = st.rows_host[0, :k]
         else:
-            torch.index_select(self.host, 0, st.rows_host[1, :k], out=st.stage[:k])
-            st.dev[:k].copy_(st.stage[:k], non_blocking=True)  # (k, words)
-            st.rows_dev[0, :k].copy_(st.rows_host[0, :k], non_blocking=True)
-            rows, guided = st.rows_dev[0, :k], st.dev[:k]
+            rows = st.rows_dev[0, :k].copy_(st.rows_host[0, :k], non_blocking=True)
         # Bitmask row i must sit at logits row positions[i]: scatter the guided rows there.
         mask = guided.new_empty((logits.shape[0], self.width))
         mask.index_copy_(0, rows, guided)

@@ -16,18 +16,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpu_worker.runtime.model import ForwardBatch, feed_tokens, output_index
+from gpu_worker.runtime.model import ForwardBatch, output_index
 
 # Token-count buckets: fine steps where decode batches live, coarser above (padding ≤ 25 %).
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256,
             320, 384, 448, 512, 640, 768, 896, 1024)
 
 
+# Rows of a graph's (7, size) int64 input buffer: the five the captured forward reads, then
+# the feed's destination and source indices (see `run`), copied with them in one copy.
+_IDS, _POSITIONS, _SLOTS, _CONTEXT, _LAST, _FEED_DST, _FEED_SRC = range(7)
+
+
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: Tensor, out: Tensor):
         self.graph, self.inputs, self.out = graph, inputs, out
-        # Pinned staging for the step's inputs: one non-blocking copy, no allocation per step.
+        # Pinned staging for the step's inputs, written in place through a NumPy view: one
+        # non-blocking copy, no allocation per step.
         self.staging = torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
+        self.words = self.staging.numpy()
         self.copied = torch.cuda.Event()  # the staging -> inputs copy of the last replay
 
 
@@ -73,34 +80,43 @@ class StepGraphs:
             positions.extend(range(start, start + len(tokens)))
             token_slots.extend([slot] * len(tokens))
         last = output_index([len(t) for t in new_tokens], outputs)
-        pad = size - n
-        context = [p + 1 for p in positions] + [1] * pad
         # The previous replay's inputs were consumed before this copy is queued behind it on the
         # same stream; the host may only rewrite staging once that copy ran: wait for it.
         g.copied.synchronize()
-        g.staging.copy_(torch.tensor([ids + [0] * pad, positions + [0] * pad,
-                                      token_slots + [self.scratch_slot] * pad, context,
-                                      last + [0] * (size - len(last))], dtype=torch.int64))
+        w = g.words
+        w[_IDS, :n], w[_IDS, n:] = ids, 0
+        w[_POSITIONS, :n], w[_POSITIONS, n:] = positions, 0
+        w[_SLOTS, :n], w[_SLOTS, n:] = token_slots, self.scratch_slot
+        w[_CONTEXT, :n] = w[_POSITIONS, :n] + 1
+        w[_CONTEXT, n:] = 1
+        w[_LAST, :len(last)], w[_LAST, len(last):] = last, 0
+        k = 0
+        if feed is not None:
+            source, dst, src = feed
+            k = len(dst)
+            w[_FEED_DST, :k], w[_FEED_SRC, :k] = dst, src
         g.inputs.copy_(g.staging, non_blocking=True)
         g.copied.record()
-        if feed is not None:
-            feed_tokens(g.inputs[0], *feed)
+        if k:  # token dst[i] of the step is source[src[i]], on the device (feed_tokens)
+            g.inputs[_IDS].index_copy_(
+                0, g.inputs[_FEED_DST, :k], source.index_select(0, g.inputs[_FEED_SRC, :k]))
         g.graph.replay()
         return g.out[:len(last)]
 
     def _capture(self, size: int) -> _Graph:
-        # A static batch whose tensors point at one (5, size) input buffer: ids, positions,
-        # slots, contexts, last index. Its host-side lists (one placeholder token in the
-        # scratch slot) only pass the forward's checks; slot attention reads the tensors.
+        # A static batch whose tensors point at rows of one (7, size) input buffer: ids,
+        # positions, slots, contexts, last index (then the feed's indices, which the graph does
+        # not read). Its host-side lists (one placeholder token in the scratch slot) only pass
+        # the forward's checks; slot attention reads the tensors.
         rows = min(size, self.max_outputs)
         batch = ForwardBatch.build([self.scratch_slot], [0], [[0]], self.device,
                                    slot_attention=True)
-        inputs = torch.zeros((5, size), dtype=torch.int64, device=self.device)
-        inputs[2] = self.scratch_slot
-        inputs[3] = 1
-        batch.input_ids, batch.positions = inputs[0], inputs[1]
-        batch.token_slots, batch.token_context = inputs[2], inputs[3]
-        batch.last_index = inputs[4, :rows]
+        inputs = torch.zeros((7, size), dtype=torch.int64, device=self.device)
+        inputs[_SLOTS] = self.scratch_slot
+        inputs[_CONTEXT] = 1
+        batch.input_ids, batch.positions = inputs[_IDS], inputs[_POSITIONS]
+        batch.token_slots, batch.token_context = inputs[_SLOTS], inputs[_CONTEXT]
+        batch.last_index = inputs[_LAST, :rows]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up off the capture stream, as capture requires
