@@ -9,6 +9,7 @@ One step, identical on every rank:
   4. padded vocabulary ids masked for every row; bitmask applied to the guided rows only
      (the kernel never touches an unguided row: I4);
   5. sample with counter-based per-request noise (same tokens whatever the batch: I3);
+     steps 4-5 are one fused pass on CUDA where the rows allow it (`_sample_fused`);
   6. optional all-reduce of the sampled ids (divergence check), then each rank accepts the
      token into its own matcher (I1), dead ends fail one request (I6), finished slots are
      freed with every piece of their state dropped (I5).
