@@ -58,6 +58,7 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     forced_round_cost: float = 1 / 16
     draft_tokens: int = -1  # -1: DRAFT_TOKENS_CUDA on CUDA, 0 on CPU (`draft_tokens_on`)
+    fused_sampling: str = "auto"  # auto: on CUDA (gpu_worker.sampling.kernel.sample_rows)
 
     def __post_init__(self):
         checks = [
@@ -68,6 +69,8 @@ class WorkerConfig:
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              "must be auto, float32, bfloat16 or float16"),
             (self.slots >= 1, "slots", "must be >= 1"),
+            (self.fused_sampling in ("auto", "on", "off"), "fused-sampling",
+             "must be auto, on or off"),
             (self.max_model_len >= 2, "max-model-len", "must be >= 2"),
             (self.step_tokens >= self.slots, "step-tokens", "must be >= --slots"),
             (self.grammar_fetch_timeout_s > 0, "grammar-fetch-timeout", "must be > 0"),
@@ -178,6 +181,12 @@ def parser() -> argparse.ArgumentParser:
                         "samples that agree: fewer steps, the same output (0 = off; -1, the "
                         f"default: {DRAFT_TOKENS_CUDA} on CUDA, 0 on CPU, where a forward "
                         "costs in proportion to the tokens it feeds)")
+    p.add_argument("--fused-sampling", default=e("fused_sampling", "auto"),
+                   choices=("auto", "on", "off"),
+                   help="sample a step's rows in one fused Triton pass (mask, padded ids, "
+                        "Gumbel-max, the commit's checks) where every row samples with "
+                        "temperature only: the same tokens with far fewer launches (auto: on "
+                        "CUDA; on the CPU it needs TRITON_INTERPRET=1 and is slow)")
     p.add_argument("--tls-cert", default=e("tls_cert", ""), help="server certificate PEM file")
     p.add_argument("--tls-key", default=e("tls_key", ""), help="server private key PEM file")
     p.add_argument("--tls-ca", default=e("tls_ca", ""),

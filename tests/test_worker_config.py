@@ -34,3 +34,13 @@ def test_default_timeouts_let_the_slowest_compile_finish_inside_an_admission():
 def test_bad_gateway_fault_flags_are_refused_with_the_flag_named(field, value, flag):
     with pytest.raises(ValueError, match=flag):
         GatewayConfig(grammar_service="g:1", groups=(("h:1",),), **{field: value})
+
+
+def test_fused_sampling_flag_takes_auto_on_off_and_its_environment_variable(monkeypatch):
+    assert WorkerConfig.from_args([]).fused_sampling == "auto"
+    assert WorkerConfig.from_args(["--fused-sampling", "off"]).fused_sampling == "off"
+    monkeypatch.setenv("GRAMSERVE_FUSED_SAMPLING", "on")
+    assert WorkerConfig.from_args([]).fused_sampling == "on"
+    monkeypatch.setenv("GRAMSERVE_FUSED_SAMPLING", "sometimes")
+    with pytest.raises(ValueError, match="--fused-sampling"):
+        WorkerConfig.from_args([])

@@ -398,6 +398,7 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
                          forced_tokens=cfg.forced_tokens, accept_first=cfg.accept_first,
                          forced_round_cost=cfg.forced_round_cost,
                          draft_tokens=draft_tokens_on(cfg.draft_tokens, device.type),
+                         fused_sampling={"on": True, "off": False}.get(cfg.fused_sampling),
                          drain_timeout_s=cfg.drain_timeout_s),
         model, table, ControlChannel(control_group, cfg.tp),
         vocab_size=vocab.vocab_size, model_vocab_size=model.config.vocab_size,
