@@ -234,7 +234,7 @@ def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in re.finditer(r"^(gramserve_worker_\w+)(?:\{([^}]*)\})? (\S+)$", text, re.M):
         name, labels, value = m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")), m.group(3)
-        if re.fullmatch(r"gramserve_worker_(step_seconds|batch_size|mask_\w+?_seconds|device_wait_seconds)"
+        if re.fullmatch(r"gramserve_worker_(step_seconds|batch_size|mask_\w+?_seconds|device_wait_seconds|step_cpu_seconds)"
                         r"_(sum|count)",
                         name):
             out[name + (f":{labels['phase']}" if "phase" in labels else "")] = float(value)

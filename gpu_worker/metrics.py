@@ -45,6 +45,12 @@ class WorkerMetrics:
             "Time a step's commit waited for the device to finish sampling the step before "
             "(near zero: the host's work bounds the step; most of the step: the GPU does).",
             buckets=_FAST_BUCKETS, registry=registry)
+        self.step_cpu_seconds = Histogram(
+            "gramserve_worker_step_cpu_seconds",
+            "CPU time of the engine thread in one step. The rest of the step's wall time is "
+            "waits: for the GPU (device_wait), for the mask-fill thread (mask_fill_exposed), "
+            "and for the GIL while other threads of the rank hold it.",
+            buckets=_FAST_BUCKETS, registry=registry)
         self.mask_fills = Counter(
             "gramserve_worker_mask_fills_total",
             "Bitmask rows filled (for sampling, forced-token checks and resamples).",

@@ -78,6 +78,7 @@ def test_helm_dashboard_covers_the_required_views(dashboard):
         "gramserve_worker_mask_apply_seconds_bucket",
         "gramserve_worker_step_seconds_bucket",
         "gramserve_worker_device_wait_seconds_bucket",
+        "gramserve_worker_step_cpu_seconds_bucket",
         "gramserve_grammar_compile_seconds_bucket",
         "gramserve_grammar_cache_hits_total",
         "gramserve_grammar_cache_misses_total",

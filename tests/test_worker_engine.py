@@ -220,6 +220,12 @@ def test_nan_logits_fail_that_request_as_their_own_error_not_a_dead_end(model_di
     assert registry.get_sample_value("gramserve_worker_nonfinite_logits_total") == 2
     assert registry.get_sample_value("gramserve_worker_grammar_dead_ends_total") == 0
     assert h.table.in_use() == 0 and metrics is h.engine.metrics
+    # Every recorded step has the engine thread's CPU time beside its wall time.
+    steps = sum(registry.get_sample_value("gramserve_worker_step_seconds_count",
+                                          {"phase": p}) or 0 for p in ("decode", "prefill", "mixed"))
+    assert steps > 0
+    assert registry.get_sample_value("gramserve_worker_step_cpu_seconds_count") == steps
+    assert 0 < registry.get_sample_value("gramserve_worker_step_cpu_seconds_sum")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -539,7 +539,7 @@ class Engine:
         if self._lockstep():
             return self._end_drain(timed_out=True)
         with torch.inference_mode():
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             seqs = self._plan() if self.runs else []
             logits = self._execute(seqs) if seqs else None
             t = {"forward": time.perf_counter() - t0}
@@ -557,6 +557,7 @@ class Engine:
             if seqs or self._redo or self._redo_next:
                 self._inflight = self._sample(seqs, logits, t)
             if seqs:
+                t["cpu"] = time.thread_time() - cpu0
                 self._record(seqs, t, time.perf_counter() - t0)
         self._flush()
         if (self.draining and not self.runs and self._inflight is None and not self._redo
@@ -1332,3 +1333,4 @@ class Engine:
             m.mask_apply_seconds.observe(t["mask_apply"])
         if "device_wait" in t:
             m.device_wait_seconds.observe(t["device_wait"])
+        m.step_cpu_seconds.observe(t["cpu"])
