@@ -9,8 +9,8 @@ takes it back around every CUDA call. Side by side in one run:
   RowUpdate apart and copying the list in (the code before);
 - an engine-like thread (the Python work of `--rows` x 4 rows, with a torch call, which
   releases the GIL, every 4 rows) alone, and with `--sessions` threads each building a
-  `--rows`-row update per step with either builder. The difference is what the engine
-  thread waits for.
+  `--rows`-row update per step with either builder, and with one thread building every
+  session's update in turn (in place). The difference is what the engine thread waits for.
 """
 
 from __future__ import annotations
@@ -52,6 +52,18 @@ def outputs(rows: int) -> list[eng.RowOutput]:
         req.tag = i
         out.append(eng.RowOutput(req, tokens=[5 + i, 6 + i]))
     return out
+
+
+def every_session(sessions: int):
+    """A builder that makes `sessions` updates in place, for one thread serving them all."""
+    class _All:
+        def __init__(self, step, rows):
+            self.step, self.rows = step, rows
+
+        def SerializeToString(self) -> bytes:  # noqa: N802 (the protobuf name)
+            return b"".join(step_update(self.step, self.rows).SerializeToString()
+                            for _ in range(sessions))
+    return _All
 
 
 def build_us(build, rows: list[eng.RowOutput], n: int = 5000) -> float:
@@ -109,7 +121,7 @@ def main() -> None:
         step_update_copied(7, data).SerializeToString()
     print(f"# {ns.rows} rows per update, {ns.sessions} sessions, {ns.steps} steps per run, "
           f"{ns.rounds} rounds interleaved (median)")
-    names = ("alone", "in place", "copied")
+    names = ("alone", "in place", "copied", "one thread")
     runs: dict[str, list[float]] = {n: [] for n in names}
     builds: dict[str, list[float]] = {"in place": [], "copied": []}
     for _ in range(ns.rounds):
@@ -119,6 +131,8 @@ def main() -> None:
         runs["in place"].append(engine_ms(ns.rows, ns.steps, ns.sessions, step_update, data))
         runs["copied"].append(engine_ms(ns.rows, ns.steps, ns.sessions, step_update_copied,
                                         data))
+        runs["one thread"].append(engine_ms(ns.rows, ns.steps, 1, every_session(ns.sessions),
+                                            data))
 
     def median(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]
@@ -132,6 +146,9 @@ def main() -> None:
         ms = median(runs[name])
         print(f"  with {ns.sessions} session threads, {name}: {ms:.3f} ms (+{ms - alone:.3f} ms, "
               f"their own build {ns.sessions * median(builds[name]) / 1e3:.3f} ms)")
+    ms = median(runs["one thread"])
+    print(f"  with one thread building all {ns.sessions} updates in place: {ms:.3f} ms "
+          f"(+{ms - alone:.3f} ms)")
 
 
 if __name__ == "__main__":
