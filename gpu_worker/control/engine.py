@@ -105,10 +105,6 @@ log = logging.getLogger(__name__)
 # Finish reasons, as plain strings (the server maps them to protos.FinishReason).
 STOP, LENGTH, GRAMMAR_COMPLETED, CANCELLED = "stop", "length", "grammar_completed", "cancelled"
 DEAD_END, DIVERGENCE, INTERNAL, UNAVAILABLE = "dead_end", "divergence", "internal", "unavailable"
-# Sampled ids that are no token: the row had no allowed token, or non-finite logits; and
-# what is added to a sampled id on its way to the host when the row's mask allowed it alone
-# (the fused kernel writes the same values).
-_DEAD, _NONFINITE, _SINGLE = DEAD, NONFINITE, SINGLE
 # gRPC's UNAVAILABLE as a number (the engine imports no grpc): a rank of the group failed.
 _UNAVAILABLE_CODE = 14
 
@@ -255,8 +251,8 @@ class _InFlight:
 
     rows: list[Run]
     tokens: torch.Tensor           # (R,) int64 on the device, dead rows as 0: the next inputs
-    # (R,) int64 on the host (pinned): the token (dead rows -1, -2), plus _SINGLE where the
-    # row's mask allowed that token alone
+    # (R,) int64 on the host (pinned): the token (a dead row DEAD or NONFINITE), plus SINGLE
+    # where the row's mask allowed that token alone
     host: torch.Tensor
     done: torch.cuda.Event | None  # recorded after the copy (CUDA)
     step: int
@@ -340,7 +336,9 @@ class _IndexStage:
 class _HostCopies:
     """Where each step's sampled ids land on the host: two pinned buffers and two CUDA events
     used in turn, so a step allocates neither. A buffer is written again two sampling points
-    later, long after its commit read it (each commit comes before the next sampling point)."""
+    later, long after its commit read it (each commit comes before the next sampling point).
+    `capacity` is the engine's `max_outputs`: a point samples each running row at most once
+    per logits row it has (a row sampled again is not among the step's rows)."""
 
     def __init__(self, capacity: int, device: torch.device):
         cuda = device.type == "cuda"
@@ -353,9 +351,7 @@ class _HostCopies:
         """Start the copy of (R,) int64 `values` to the host; (the host tensor, the event
         recorded after the copy on CUDA, else None)."""
         self._turn ^= 1
-        buffer, n = self._buffers[self._turn], values.shape[0]
-        host = (buffer[:n] if n <= buffer.shape[0]
-                else torch.empty(n, dtype=torch.int64, pin_memory=values.is_cuda))
+        host = self._buffers[self._turn][:values.shape[0]]
         host.copy_(values, non_blocking=True)
         if self._events is None:
             return host, None
@@ -821,10 +817,7 @@ class Engine:
             if (q.top_k or q.top_p < 1.0 or q.min_p > 0.0 or q.logprobs
                     or r.known < q.min_tokens):
                 return False
-        if redo:
-            f = redo[0].redo[2]
-            return not (f.any_top_k or f.any_top_p or f.any_min_p)
-        return True
+        return not redo or redo[0].redo[2].temperature_only
 
     def _sample_fused(self, logits, keep, rows, n, ahead, masked, af, t):
         """The sampling point as two kernels (gpu_worker.sampling.kernel.sample_rows): each row
@@ -860,7 +853,7 @@ class Engine:
         # its row there is its `keep` entry). A graph's output buffer is overwritten by the
         # next replay, so this is a copy.
         saved = logits.clone() if af else None
-        flags = SamplingFlags(all(q.temperature == 0 for q in reqs[:n]), False, False, False)
+        flags = _flags(rows[:n])
         t["sample"] = time.perf_counter() - t_sample
         return out[1], out[0], saved, flags, None
 
@@ -910,11 +903,11 @@ class Engine:
         # A NaN or +inf logit among the tokens a row may take is the model's failure, not
         # the grammar's: such a row is -2, a row with nothing allowed (a dead end) -1.
         broken = ~(logits < float("inf")).all(dim=-1)                    # (R,) NaN or +inf
-        picked = torch.where(broken, _NONFINITE, torch.where(dead, _DEAD, tokens))
+        picked = torch.where(broken, NONFINITE, torch.where(dead, DEAD, tokens))
         lp = self._logprobs(logits, tokens, rows, raw)
         wire = picked
         if masked and self.scan is not None:  # rows whose token was the only one allowed
-            wire = torch.where(single_allowed(logits) & (picked >= 0), picked + _SINGLE, picked)
+            wire = torch.where(single_allowed(logits) & (picked >= 0), picked + SINGLE, picked)
         t["sample"] = time.perf_counter() - t_sample
         return wire, picked.clamp(min=0), saved, flags, lp
 
@@ -1023,8 +1016,8 @@ class Engine:
         picked = inflight.host.tolist()
         single = [False] * len(picked)
         if self.scan is not None:  # only then does `_sample` add the forced-token flag
-            single = [v >= _SINGLE for v in picked]
-            picked = [v - _SINGLE if one else v for v, one in zip(picked, single, strict=True)]
+            single = [v >= SINGLE for v in picked]
+            picked = [v - SINGLE if one else v for v, one in zip(picked, single, strict=True)]
         rows = inflight.rows
         for r in rows:
             r.pending = 0
@@ -1144,7 +1137,7 @@ class Engine:
             log.error("TP divergence on slot %d (request %s)", r.slot, req.request_id)
             self._finish(r, DIVERGENCE, "ranks sampled different tokens")
             return True
-        if token == _NONFINITE:
+        if token == NONFINITE:
             if self.metrics is not None:
                 self.metrics.nonfinite_logits.inc()
             self._finish(r, INTERNAL, "the model produced NaN or infinite logits for this "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpu_worker.runtime.model import ForwardBatch, output_index
+from gpu_worker.runtime.model import ForwardBatch, feed_indexed, output_index
 
 # Token-count buckets: fine steps where decode batches live, coarser above (padding ≤ 25 %).
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256,
@@ -97,9 +97,9 @@ class StepGraphs:
             w[_FEED_DST, :k], w[_FEED_SRC, :k] = dst, src
         g.inputs.copy_(g.staging, non_blocking=True)
         g.copied.record()
-        if k:  # token dst[i] of the step is source[src[i]], on the device (feed_tokens)
-            g.inputs[_IDS].index_copy_(
-                0, g.inputs[_FEED_DST, :k], source.index_select(0, g.inputs[_FEED_SRC, :k]))
+        if k:  # token dst[i] of the step is source[src[i]], on the device
+            feed_indexed(g.inputs[_IDS], source, g.inputs[_FEED_DST, :k],
+                         g.inputs[_FEED_SRC, :k])
         g.graph.replay()
         return g.out[:len(last)]
 

@@ -149,7 +149,13 @@ def feed_tokens(input_ids: torch.Tensor, source: torch.Tensor, dst: list[int],
     index = torch.tensor([dst, src], dtype=torch.int64)
     if input_ids.is_cuda:
         index = index.pin_memory().to(input_ids.device, non_blocking=True)
-    input_ids.index_copy_(0, index[0], source.index_select(0, index[1]))
+    feed_indexed(input_ids, source, index[0], index[1])
+
+
+def feed_indexed(input_ids: torch.Tensor, source: torch.Tensor, dst: torch.Tensor,
+                 src: torch.Tensor) -> None:
+    """`feed_tokens` with its indices already on the device (a CUDA graph's staged inputs)."""
+    input_ids.index_copy_(0, dst, source.index_select(0, src))
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[Tensor, float]:

@@ -32,6 +32,11 @@ class SamplingFlags:
     any_top_p: bool
     any_min_p: bool
 
+    @property
+    def temperature_only(self) -> bool:
+        """No row filters by top-k, top-p or min-p (the fused kernels' path)."""
+        return not (self.any_top_k or self.any_top_p or self.any_min_p)
+
     @classmethod
     def of(cls, temperature, top_k, top_p, min_p) -> SamplingFlags:
         """The flags of a batch with these per-row values (sequences)."""
@@ -168,7 +173,7 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
     if params.flags.all_greedy:
         return greedy.masked_fill(dead, 0), dead
     flags = params.flags
-    if logits.is_cuda and not (flags.any_top_k or flags.any_top_p or flags.any_min_p):
+    if logits.is_cuda and flags.temperature_only:
         # One fused pass instead of ~20 elementwise passes over (B, V) int64 noise.
         from gpu_worker.sampling.kernel import gumbel_argmax
 
