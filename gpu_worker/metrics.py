@@ -85,6 +85,13 @@ class WorkerMetrics:
             "gramserve_worker_draft_accepted_total",
             "Drafted tokens the row's own sample agreed with: each saves the row a step.",
             registry=registry)
+        self.sampling_points = Counter(
+            "gramserve_worker_sampling_points_total",
+            "Sampling points (one per step with rows to sample) by how they ran: fused (one "
+            "Triton pass: gather, mask, sample, checks) or op_by_op (top-k/top-p/min-p, "
+            "logprobs, min_tokens rows, or fused sampling off).", ["path"], registry=registry)
+        self.sampling_path = {path: self.sampling_points.labels(path=path)
+                              for path in ("fused", "op_by_op")}
         self.row_forwards = Counter(
             "gramserve_worker_decode_row_forwards_total",
             "Decode rows run through a forward (one row may feed several tokens).",

@@ -34,8 +34,11 @@ def system(tmp_path_factory):
     try:
         gs, gaddr = start_grammar_service(model_dir, root)
         procs.append(gs)
+        # Every shortcut on, drafts too, and fused sampling points (off by default on CPU;
+        # here under the Triton interpreter): TP=2 against the plain group below.
         g2, addrs2, metrics2 = start_group(model_dir, gaddr, root, tp=2, slots=4,
-                                           extra=["--step-tokens", "32", "--draft-tokens", "2"])
+                                           extra=["--step-tokens", "32", "--draft-tokens", "2",
+                                                  "--fused-sampling", "on"])
         procs.append(g2)
         g1, addrs1, metrics1 = start_group(model_dir, gaddr, root, tp=1, slots=4)
         procs.append(g1)
@@ -104,9 +107,10 @@ def test_tp2_guided_100_requests_4_concurrent_every_output_valid(system):
 
 
 def test_tp2_shortcuts_give_the_tokens_of_plain_mask_first_sampling(system):
-    """Forced tokens and accept-first (on by default) against a TP=2 group with both off: the
-    same tokens for greedy and seeded temperature sampling over every constraint of the mix,
-    with both mechanisms at work on every rank."""
+    """Forced tokens and accept-first (on by default), with drafts and fused sampling points,
+    against a TP=2 group with all of them off: the same tokens for greedy and seeded
+    temperature sampling over every constraint of the mix, with every mechanism at work on
+    every rank, and both ranks fusing the same sampling points."""
     mix = constraint_mix()
     v = system["vocab"]
     for i, (kind, _) in enumerate(mix):
@@ -125,7 +129,15 @@ def test_tp2_shortcuts_give_the_tokens_of_plain_mask_first_sampling(system):
     for url in system["tp2_plain_metrics"]:
         assert metric(url, "gramserve_worker_forced_tokens_total") == 0
         assert metric(url, "gramserve_worker_accept_first_total") == 0
-    wait_idle(system["tp2_metrics"] + system["tp2_plain_metrics"])
+    wait_idle(system["tp2_metrics"] + system["tp2_plain_metrics"])  # both ranks done
+    # Both ranks ran the same sampling points the same way (I3): fused where every row
+    # samples with temperature only, op by op where a row asks for more.
+    for path in ("fused", "op_by_op"):
+        ranks = [metric(url, "gramserve_worker_sampling_points_total", {"path": path})
+                 for url in system["tp2_metrics"]]
+        assert ranks[0] == ranks[1] and (path == "op_by_op" or ranks[0] > 0), (path, ranks)
+    assert metric(system["tp2_plain_metrics"][0], "gramserve_worker_sampling_points_total",
+                  {"path": "fused"}) == 0
 
 
 def test_tp2_drafts_give_the_tokens_of_plain_mask_first_sampling(system):

@@ -779,7 +779,10 @@ class Engine:
                 self.metrics.accept_first_sampled.inc(len(af))
         n = len(rows) - len(redo)
         self.stats["sampling_points"] += 1
-        if self._fusable(rows, redo):
+        fused = self._fusable(rows, redo)
+        if self.metrics is not None:
+            self.metrics.sampling_path["fused" if fused else "op_by_op"].inc()
+        if fused:
             self.stats["fused_points"] += 1
             wire, tokens, saved, flags, lp = self._sample_fused(logits, keep, rows, n, ahead,
                                                                 masked, af, t)
