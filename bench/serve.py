@@ -201,7 +201,9 @@ def roles(root: int) -> dict[str, int]:
         elif module == "grammar_service":
             out["grammar"] = pid
         elif module == "gpu_worker" and "--rank" in args:
-            out[f"rank{args[args.index('--rank') + 1]}"] = pid
+            name = f"rank{args[args.index('--rank') + 1]}"  # group 0's; then rank0-2, ...
+            n = sum(k == name or k.startswith(name + "-") for k in out)
+            out[name if not n else f"{name}-{n + 1}"] = pid
     return out
 
 
@@ -247,6 +249,15 @@ def scrape(url: str) -> dict[str, float]:
               or (name == "gramserve_worker_tokens_total" and labels.get("kind") == "generated")):
             key = "counter:" + name.removeprefix("gramserve_worker_").removesuffix("_total")
             out[key] = float(value)
+    return out
+
+
+def scrape_all(urls: list[str]) -> dict[str, float]:
+    """`scrape` of each URL, summed (sums, counts and counters add up across groups)."""
+    out: dict[str, float] = {}
+    for url in urls:
+        for k, v in scrape(url).items():
+            out[k] = out.get(k, 0.0) + v
     return out
 
 
@@ -360,16 +371,27 @@ SHORTCUTS = {"on": (True, True, None, None), "off": (False, False, None, 0),
              "drafts4": (True, True, None, 4)}
 
 
+def split_setting(setting: str) -> tuple[str, int, str]:
+    """(shortcuts, worker groups, tree) of a --shortcuts setting such as on, on*2, off@base:
+    `*N` runs N TP=1 worker groups (model replicas) on the one GPU, each its own process with
+    its own engine thread; `@base` the code of --base-tree."""
+    name, _, tree = setting.partition("@")
+    name, star, groups = name.partition("*")
+    return name, int(groups) if star and groups.isdigit() and int(groups) > 0 else (
+        1 if not star else 0), tree
+
+
 def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
                rnd: int = 1) -> list[dict]:
     """Every (concurrency, family, ratio) run of `plan` (and, with --twins, each 100 % guided
     run's unguided twin right after it); returns one row dict each."""
-    worker_url = next((u for k, u in stack.metrics.items() if "rank 0" in k), None)
+    # Every group's rank 0 (one per model replica): their counters and histograms summed.
+    worker_urls = [u for k, u in stack.metrics.items() if k.endswith("rank 0")]
     pids = roles(stack.proc.pid)
     rows = []
 
     def measured(c: int, family: str, ratio: float, twin: int = 0) -> dict:
-        before = scrape(worker_url) if worker_url else {}
+        before = scrape_all(worker_urls)
         cpu0 = cpu_seconds(pids)
         t0 = time.monotonic()
         # A guided run's twin is sampled with it (its name ends in -twin).
@@ -381,7 +403,7 @@ def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,
                            schema_prompts=bool(ns.train_steps), twin=twin)
         wall = time.monotonic() - t0
         cpu1 = cpu_seconds(pids)
-        after = scrape(worker_url) if worker_url else {}
+        after = scrape_all(worker_urls)
         for spy in spies:
             try:
                 spy.wait(30)
@@ -658,6 +680,7 @@ def settings_ratios(rows: list[dict]) -> list[str]:
     compared = [(s, "off") for s in SHORTCUTS if s != "off"] + [("on", "no-drafts"),
                                                                   ("drafts4", "on")]
     compared += [(s.removesuffix("@base"), s) for s in present if s and s.endswith("@base")]
+    compared += [(s, s.partition("*")[0]) for s in present if s and "*" in s]
     out = []
     for setting, ref in compared:
         for c, fam, ratio in dict.fromkeys(k[:3] for k in tps):
@@ -752,8 +775,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--draft-tokens 0), drafts4 (all on, --draft-tokens 4), every-round "
                         "(all on, every forced chain followed at once: --forced-round-cost 0), "
                         "comma-separated; a setting ending in @base "
-                        "runs the code of --base-tree; stacks after the first run "
-                        "--variant-runs")
+                        "runs the code of --base-tree, one with *N (e.g. on*2) N worker "
+                        "groups on the GPU (one engine process each; worker metrics summed "
+                        "over the groups); stacks after the first run --variant-runs")
     p.add_argument("--base-tree", type=Path, default=None,
                    help="another checkout of the project (e.g. `git worktree add DIR "
                         "COMMIT`) whose code the @base settings' stacks run, up beside the "
@@ -784,9 +808,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ns.profile = set(filter(None, ns.profile.split(",")))
     ns.shortcuts = ns.shortcuts.split(",")
     if not ns.shortcuts or not all(
-            s.partition("@")[0] in SHORTCUTS and s.partition("@")[2] in ("", "base")
+            split_setting(s)[0] in SHORTCUTS and split_setting(s)[1] >= 1
+            and s.partition("@")[2] in ("", "base")
             for s in ns.shortcuts) or len(set(ns.shortcuts)) < len(ns.shortcuts):
         raise SystemExit(f"--shortcuts: comma-separated settings of {', '.join(SHORTCUTS)}, "
+                         "each optionally with *N (N worker groups), "
                          "each once, optionally with @base")
     if any(s.endswith("@base") for s in ns.shortcuts):
         if ns.base_tree is None or not (ns.base_tree / "gateway" / "cli.py").is_file():
@@ -903,7 +929,7 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
     try:
         for shortcuts in ns.shortcuts:
             # The worker's --forced-tokens / --accept-first, through their GRAMSERVE_ variables.
-            setting, _, tree = shortcuts.partition("@")
+            setting, groups, tree = split_setting(shortcuts)
             forced, accept_first, round_cost, drafts = SHORTCUTS[setting]
             variant_env = dict(env, GRAMSERVE_FORCED_TOKENS=str(int(forced)),
                                GRAMSERVE_ACCEPT_FIRST=str(int(accept_first)))
@@ -918,8 +944,9 @@ def run_all(ns, model_dir: Path, out: Path) -> int:
                     filter(None, [str(cwd), os.environ.get("PYTHONPATH")]))
             plans[shortcuts] = (matrix_plan(ns) if shortcuts == ns.shortcuts[0]
                                 else ns.variant_runs)
-            log = out / f"stack-{shortcuts.replace('@', '-')}.log"
-            stack = stacks[shortcuts] = Stack(args, variant_env, log, cwd)
+            log = out / f"stack-{shortcuts.replace('@', '-').replace('*', 'x')}.log"
+            stack = stacks[shortcuts] = Stack(args + ["--groups", str(groups)], variant_env,
+                                              log, cwd)
             say(f"starting the stack (forced tokens and accept-first {shortcuts})")
             addr = stack.start(ns.startup_timeout + 30)
             say_line(f"stack up at {addr} (shortcuts {shortcuts}); metrics {stack.metrics}")

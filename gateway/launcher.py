@@ -269,6 +269,8 @@ class System:
                 "gpu_worker.launch", "--tp", str(c.tp), "--host", _HOST, "--port", str(base),
                 "--metrics-port", str(w_metrics), "--model", model_dir,
                 "--grammar-service", grammar, "--device", c.device, "--slots", str(c.slots),
+                # CUDA: group g's ranks on devices g*tp, g*tp+1, ... (shared when fewer)
+                "--gpu-offset", str(g * c.tp),
                 *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
                 *worker_tls]
             self._spawn(f"group{g}", "group", self._with_rendezvous(group_args), ranks)

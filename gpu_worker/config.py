@@ -59,6 +59,7 @@ class WorkerConfig:
     forced_round_cost: float = 1 / 16
     draft_tokens: int = -1  # -1: DRAFT_TOKENS_CUDA on CUDA, 0 on CPU (`draft_tokens_on`)
     fused_sampling: str = "auto"  # auto: on CUDA (gpu_worker.sampling.kernel.sample_rows)
+    gpu_offset: int = 0  # CUDA: rank r runs on visible device (gpu_offset + r) mod count
 
     def __post_init__(self):
         checks = [
@@ -91,6 +92,7 @@ class WorkerConfig:
             (self.drain_timeout_s >= 0, "drain-timeout", "must be >= 0"),
             (self.forced_round_cost >= 0, "forced-round-cost", "must be >= 0"),
             (-1 <= self.draft_tokens <= 8, "draft-tokens", "must be in [0, 8], or -1 (auto)"),
+            (self.gpu_offset >= 0, "gpu-offset", "must be >= 0"),
         ]
         for ok, flag, why in checks:
             if not ok:
@@ -101,6 +103,18 @@ class WorkerConfig:
         """Parse flags (GRAMSERVE_<FLAG> env vars as defaults); ValueError names a bad flag."""
         args = parser().parse_args(argv)
         return cls(**{k: v for k, v in vars(args).items()})
+
+
+def cuda_device_index(rank: int, tp: int, offset: int, count: int) -> int:
+    """The visible CUDA device of TP rank `rank`: (offset + rank) modulo `count`. The ranks of
+    one group must sit on distinct devices (NCCL refuses two ranks on one), so a group of more
+    ranks than visible devices raises ValueError naming --tp."""
+    if count < 1:
+        raise ValueError("--device cuda: no CUDA device is visible")
+    if tp > count:
+        raise ValueError(f"--tp {tp} needs {tp} CUDA devices, {count} visible: each rank of a "
+                         "group runs on its own device")
+    return (offset + rank) % count
 
 
 def _flag(text) -> bool:
@@ -187,6 +201,10 @@ def parser() -> argparse.ArgumentParser:
                         "Gumbel-max, the commit's checks) where every row samples with "
                         "temperature only: the same tokens with far fewer launches (auto: on "
                         "CUDA; on the CPU it needs TRITON_INTERPRET=1 and is slow)")
+    p.add_argument("--gpu-offset", type=int, default=e("gpu_offset", 0),
+                   help="CUDA: rank r of the group runs on visible device (offset + r) modulo "
+                        "the number visible; `gramserve up` gives group g the offset g * tp, "
+                        "so groups spread over the host's GPUs and share them when fewer")
     p.add_argument("--tls-cert", default=e("tls_cert", ""), help="server certificate PEM file")
     p.add_argument("--tls-key", default=e("tls_key", ""), help="server private key PEM file")
     p.add_argument("--tls-ca", default=e("tls_ca", ""),

@@ -4,7 +4,7 @@ timeouts of an admission agree across the services."""
 import pytest
 
 from gateway.config import GatewayConfig
-from gpu_worker.config import WorkerConfig
+from gpu_worker.config import WorkerConfig, cuda_device_index
 from grammar_service.config import GrammarServiceConfig
 
 
@@ -44,3 +44,39 @@ def test_fused_sampling_flag_takes_auto_on_off_and_its_environment_variable(monk
     monkeypatch.setenv("GRAMSERVE_FUSED_SAMPLING", "sometimes")
     with pytest.raises(ValueError, match="--fused-sampling"):
         WorkerConfig.from_args([])
+
+
+def test_each_rank_of_a_group_gets_its_own_gpu_and_groups_spread_over_the_host():
+    # Rank r of a group runs on visible device (offset + r) mod count: a TP=2 group on a
+    # 2-GPU host takes both, TP=2 groups 0 and 1 (offsets 0, 2) on 4 GPUs take 0-1 and 2-3,
+    # two TP=1 groups on one GPU share it.
+    assert [cuda_device_index(r, 2, 0, 2) for r in range(2)] == [0, 1]
+    assert [cuda_device_index(r, 2, 2, 4) for r in range(2)] == [2, 3]
+    assert [cuda_device_index(0, 1, g, 1) for g in range(2)] == [0, 0]
+    assert [cuda_device_index(r, 2, 2, 2) for r in range(2)] == [0, 1]  # wraps, still distinct
+    with pytest.raises(ValueError, match="--tp 2 needs 2 CUDA devices, 1 visible"):
+        cuda_device_index(1, 2, 0, 1)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        cuda_device_index(0, 1, 0, 0)
+    assert WorkerConfig.from_args([]).gpu_offset == 0
+    assert WorkerConfig.from_args(["--gpu-offset", "4"]).gpu_offset == 4
+    with pytest.raises(ValueError, match="--gpu-offset"):
+        WorkerConfig.from_args(["--gpu-offset", "-1"])
+
+
+def test_up_gives_each_group_the_gpu_offset_of_its_first_rank(monkeypatch, tmp_path):
+    """`gramserve up --groups 3 --tp 2`: group g's launcher passes --gpu-offset 2g to its
+    ranks. The children's command lines are recorded here instead of started."""
+    from gateway.launcher import System, UpConfig
+    from grammar_service.default_model import ensure_default_model
+
+    commands = {}
+    monkeypatch.setattr(System, "_spawn",
+                        lambda self, name, kind, command, addrs: commands.update({name: command}))
+    System(UpConfig(model=str(ensure_default_model(tmp_path)), tp=2, groups=3)).start()
+    offsets = []
+    for g in range(3):
+        args = commands[f"group{g}"]()
+        assert args[args.index("--tp") + 1] == "2"
+        offsets.append(args[args.index("--gpu-offset") + 1])
+    assert offsets == ["0", "2", "4"]

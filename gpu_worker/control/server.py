@@ -24,7 +24,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from gpu_worker.config import WorkerConfig, draft_tokens_on
+from gpu_worker.config import WorkerConfig, cuda_device_index, draft_tokens_on
 from gpu_worker.control import engine as eng
 from gpu_worker.control.lockstep import ControlChannel
 from gpu_worker.control.slots import Entry, NoFreeSlot, SlotBusy, SlotTable, UnknownRequest
@@ -360,7 +360,8 @@ def _device_and_dtype(cfg: WorkerConfig) -> tuple[torch.device, torch.dtype]:
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is visible")
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", cuda_device_index(cfg.rank, cfg.tp, cfg.gpu_offset,
+                                                        torch.cuda.device_count()))
     else:
         device = torch.device("cpu")
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
