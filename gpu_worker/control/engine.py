@@ -273,6 +273,9 @@ class _InFlight:
     # Per row of `rows`, its row in `saved` (None: the same index; the fused path saves the
     # step's logits as the forward wrote them, one row per `Seq.out`).
     saved_rows: list[int] | None = None
+    # The CUDA-graph replays made before this sampling point (StepGraphs.calls): once `done`
+    # has been waited for, their inputs have been copied on the device.
+    graph_calls: int = 0
 
 
 def _index(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -287,50 +290,64 @@ def _index(values: list, device: torch.device, dtype: torch.dtype = torch.int64)
 
 class _IndexStage:
     """The small host-made tensors of one sampling point (rows to sample, rows sampled again,
-    logprob rows, the sampling parameters), from pinned host buffers written in place and
+    logprob rows, the sampling parameters), from one pinned host buffer written in place and
     copied without blocking: a pinned tensor made per use (`_index`) cost ~0.1 ms of host time
     each on an H100 host, a fifth of a guided step's extra host work over an unguided one.
+    `blocks` stages int64 and float32 columns with one copy: each copy releases the GIL, and
+    on a rank whose other threads want it, taking it back costs more than the copy.
 
     `start()` at each sampling point, which may then take up to `capacity` int64 and
-    `capacity` float32 entries (more go through fresh tensors). The buffers are free again by
+    `capacity` float32 entries (more go through fresh tensors). The buffer is free again by
     then: the commit before a sampling point syncs on the previous one's sampled ids, which
-    the device computed after every copy from the buffers (one stream)."""
+    the device computed after every copy from the buffer (one stream)."""
 
     def __init__(self, capacity: int, device: torch.device):
         cuda = device.type == "cuda"
         self.device = device
-        self._host = {t: torch.empty(capacity, dtype=t, pin_memory=cuda)
-                      for t in (torch.int64, torch.float32)}
-        self._dev = ({t: torch.empty(capacity, dtype=t, device=device) for t in self._host}
-                     if cuda else None)
-        self._words = {t: h.numpy() for t, h in self._host.items()}
-        self._at = dict.fromkeys(self._host, 0)
+        self._host = torch.empty(12 * capacity, dtype=torch.uint8, pin_memory=cuda)
+        self._dev = torch.empty_like(self._host, device=device) if cuda else None
+        self._bytes = self._host.numpy()
+        self._at = 0
 
     def start(self) -> None:
-        self._at = dict.fromkeys(self._host, 0)
+        self._at = 0
 
     def __call__(self, values: list[int]) -> torch.Tensor:
         """`values` as an int64 index on the device (valid until the next `start()`)."""
-        return self._put([values], torch.int64)
+        return self.block([values], torch.int64)[0]
 
     def block(self, columns: list[list], dtype: torch.dtype) -> torch.Tensor:
         """Equal-length `columns` as one (len(columns), n) tensor of `dtype` (int64 or
         float32) on the device, valid until the next `start()`."""
-        return self._put(columns, dtype).view(len(columns), len(columns[0]))
+        out = self.blocks(columns, []) if dtype == torch.int64 else self.blocks([], columns)
+        return out[0] if dtype == torch.int64 else out[1]
 
-    def _put(self, columns: list[list], dtype: torch.dtype) -> torch.Tensor:
-        """The columns one after another, as one 1-D tensor on the device."""
-        n = len(columns[0])
-        a, b = self._at[dtype], self._at[dtype] + n * len(columns)
-        if b > len(self._words[dtype]):
-            return _index([v for column in columns for v in column], self.device, dtype)
-        words = self._words[dtype]
-        for k, column in enumerate(columns):
-            words[a + k * n:a + (k + 1) * n] = column
-        self._at[dtype] = b
+    def blocks(self, ints: list[list], floats: list[list]) -> tuple:
+        """Equal-length int64 columns `ints` and float32 columns `floats` as (k, n) int64 and
+        (m, n) float32 tensors on the device (None for an empty list), in one copy."""
+        n = len((ints or floats)[0])
+        a = self._at
+        mid = a + 8 * n * len(ints)
+        end = mid + 4 * n * len(floats)
+        if end > len(self._bytes):
+            return (_index([v for c in ints for v in c], self.device).view(len(ints), n)
+                    if ints else None,
+                    _index([v for c in floats for v in c], self.device, torch.float32)
+                    .view(len(floats), n) if floats else None)
+        self._at = (end + 7) & ~7  # the next block starts 8-byte aligned
+        words = self._bytes[a:mid].view(np.int64)
+        for k, column in enumerate(ints):
+            words[k * n:(k + 1) * n] = column
+        reals = self._bytes[mid:end].view(np.float32)
+        for k, column in enumerate(floats):
+            reals[k * n:(k + 1) * n] = column
         if self._dev is None:
-            return self._host[dtype][a:b]
-        return self._dev[dtype][a:b].copy_(self._host[dtype][a:b], non_blocking=True)
+            staged = self._host
+        else:
+            staged = self._dev
+            staged[a:end].copy_(self._host[a:end], non_blocking=True)
+        return (staged[a:mid].view(torch.int64).view(len(ints), n) if ints else None,
+                staged[mid:end].view(torch.float32).view(len(floats), n) if floats else None)
 
 
 class _HostCopies:
@@ -805,7 +822,8 @@ class Engine:
         # every draft holds, checked at the commit.
         return _InFlight(rows, tokens, host, done, self.step_index,
                          {r.slot: j for j, r in enumerate(rows)}, lp, frozenset(af), saved,
-                         flags, expect, saved_rows)
+                         flags, expect, saved_rows,
+                         self.graphs.calls if self.graphs is not None else 0)
 
     def _fusable(self, rows: list[Run], redo: list[Run]) -> bool:
         """Whether this sampling point runs as one fused pass (`_sample_fused`): on the device
@@ -840,11 +858,11 @@ class Engine:
         t_sample = time.perf_counter()
         t["mask_apply"] = t_sample - t0
         reqs = [r.req for r in rows]
-        ints = self._index.block([keep + [r.redo[1] for r in redo], mask_rows,
-                                  [q.seed for q in reqs],
-                                  [r.known + a for r, a in zip(rows, ahead, strict=True)]],
-                                 torch.int64)
-        temperature = self._index.block([[q.temperature for q in reqs]], torch.float32)[0]
+        ints, reals = self._index.blocks([keep + [r.redo[1] for r in redo], mask_rows,
+                                          [q.seed for q in reqs],
+                                          [r.known + a for r, a in zip(rows, ahead, strict=True)]],
+                                         [[q.temperature for q in reqs]])
+        temperature = reals[0]
         parts = [(logits, n)] if n else []
         if redo:  # all refused at one commit: one saved tensor
             parts.append((redo[0].redo[0], len(redo)))
@@ -1016,6 +1034,8 @@ class Engine:
         if inflight.done is not None:
             inflight.done.synchronize()
             t["device_wait"] = time.perf_counter() - t0
+            if self.graphs is not None:
+                self.graphs.done_through(inflight.graph_calls)
         picked = inflight.host.tolist()
         single = [False] * len(picked)
         if self.scan is not None:  # only then does `_sample` add the forced-token flag

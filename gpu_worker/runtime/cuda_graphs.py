@@ -31,11 +31,13 @@ _IDS, _POSITIONS, _SLOTS, _CONTEXT, _LAST, _FEED_DST, _FEED_SRC = range(7)
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: Tensor, out: Tensor):
         self.graph, self.inputs, self.out = graph, inputs, out
-        # Pinned staging for the step's inputs, written in place through a NumPy view: one
-        # non-blocking copy, no allocation per step.
-        self.staging = torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
-        self.words = self.staging.numpy()
-        self.copied = torch.cuda.Event()  # the staging -> inputs copy of the last replay
+        # Two pinned stagings for the step's inputs, used in turn and written in place through
+        # NumPy views: one non-blocking copy, no allocation, no event per step (`run`).
+        self.staging = [torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
+                        for _ in range(2)]
+        self.words = [s.numpy() for s in self.staging]
+        self.used = [0, 0]  # the StepGraphs.run call that last copied from each staging
+        self.turn = 0
 
 
 class StepGraphs:
@@ -55,6 +57,15 @@ class StepGraphs:
         self.sizes = [b for b in _BUCKETS if b < max_tokens] + [max_tokens]
         self.graphs: dict[int, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.calls = 0  # `run` calls so far
+        # Every call up to this one has had its inputs copied on the device: the caller says
+        # so (`done_through`) once it has synced on work queued after that call's replay.
+        self.completed = 0
+
+    def done_through(self, call: int) -> None:
+        """The device has run everything queued up to `run` call number `call` (the caller
+        synced on an event recorded after it): stagings copied by then may be rewritten."""
+        self.completed = max(self.completed, call)
 
     def fits(self, num_tokens: int, num_outputs: int) -> bool:
         return num_tokens <= self.sizes[-1] and num_outputs <= self.max_outputs
@@ -80,10 +91,16 @@ class StepGraphs:
             positions.extend(range(start, start + len(tokens)))
             token_slots.extend([slot] * len(tokens))
         last = output_index([len(t) for t in new_tokens], outputs)
-        # The previous replay's inputs were consumed before this copy is queued behind it on the
-        # same stream; the host may only rewrite staging once that copy ran: wait for it.
-        g.copied.synchronize()
-        w = g.words
+        # The host may rewrite a staging only once its last copy ran. This graph's two stagings
+        # take turns, so that copy was queued at least two calls ago; the engine syncs every
+        # step on the ids sampled from the step before (`done_through`), which covers it. Only
+        # after steps that sampled nothing (no sync) does this wait for the device itself. An
+        # event per step cost two GIL handoffs (record, synchronize) on the engine's thread.
+        g.turn ^= 1
+        if g.used[g.turn] > self.completed:
+            torch.cuda.current_stream(self.device).synchronize()
+            self.completed = self.calls
+        w = g.words[g.turn]
         w[_IDS, :n], w[_IDS, n:] = ids, 0
         w[_POSITIONS, :n], w[_POSITIONS, n:] = positions, 0
         w[_SLOTS, :n], w[_SLOTS, n:] = token_slots, self.scratch_slot
@@ -95,8 +112,9 @@ class StepGraphs:
             source, dst, src = feed
             k = len(dst)
             w[_FEED_DST, :k], w[_FEED_SRC, :k] = dst, src
-        g.inputs.copy_(g.staging, non_blocking=True)
-        g.copied.record()
+        g.inputs.copy_(g.staging[g.turn], non_blocking=True)
+        self.calls += 1
+        g.used[g.turn] = self.calls
         if k:  # token dst[i] of the step is source[src[i]], on the device
             feed_indexed(g.inputs[_IDS], source, g.inputs[_FEED_DST, :k],
                          g.inputs[_FEED_SRC, :k])
