@@ -141,10 +141,9 @@ def run(judge, builds, asked, ns, guided: bool, tag: str, profile: Path | None) 
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
     phases = dict.fromkeys(("forward", "commit", "sample", "mask_fill_exposed", "total"), 0.0)
-    live, tokens, steps, bad = 0, 0, 0, 0
+    live, tokens, steps = 0, 0, 0
     expected = {f"{tag}-{i}": a for i, (_, _, a) in enumerate(asked)}
     got: dict[str, list[int]] = {}
-    t0 = time.perf_counter()
     while todo or live:
         while todo and table.in_use() < table.num_slots:
             req = todo.popleft()
@@ -164,14 +163,13 @@ def run(judge, builds, asked, ns, guided: bool, tag: str, profile: Path | None) 
             if o.finish is not None:
                 live -= 1
         outputs.clear()
-    wall = time.perf_counter() - t0
     if spy is not None:
         spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         spy.wait(30)
     bad = sum(got.get(rid) != a for rid, a in expected.items())
     stats = engine.stats
     engine.stop()
-    return {"tokens": tokens, "steps": steps, "wall": wall, "phases": phases, "bad": bad,
+    return {"tokens": tokens, "steps": steps, "phases": phases, "bad": bad,
             "drafted": stats["drafted"], "kept": stats["draft_accepted"],
             "resamples": stats["resamples"], "fills": stats["mask_fills"]}
 

@@ -377,8 +377,8 @@ def split_setting(setting: str) -> tuple[str, int, str]:
     its own engine thread; `@base` the code of --base-tree."""
     name, _, tree = setting.partition("@")
     name, star, groups = name.partition("*")
-    return name, int(groups) if star and groups.isdigit() and int(groups) > 0 else (
-        1 if not star else 0), tree
+    # 0 for a `*` without a count: parse_args refuses fewer than one group
+    return name, (int(groups) if groups.isdigit() else 0) if star else 1, tree
 
 
 def run_matrix(addr: str, stack: Stack, ns, say_line, plan, shortcuts: str,

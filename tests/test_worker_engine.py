@@ -403,18 +403,19 @@ def test_index_stage_blocks_keep_their_dtype_and_rows_beside_the_indices():
     stage = _IndexStage(16, torch.device("cpu"))
     stage.start()
     index = stage([4, 2])
-    floats = stage.block([[0.7, 1.0], [0.9, 1.0], [0.0, 0.05]], torch.float32)
-    ints = stage.block([[0, 5], [2**62, -3], [11, 0]], torch.int64)
+    ints, floats = stage.blocks([[0, 5], [2**62, -3], [11, 0]],
+                                [[0.7, 1.0], [0.9, 1.0], [0.0, 0.05]])  # one copy
     assert index.tolist() == [4, 2]
     assert floats.dtype == torch.float32 and floats.shape == (3, 2)
     assert floats.tolist() == torch.tensor([[0.7, 1.0], [0.9, 1.0], [0.0, 0.05]]).tolist()
     assert ints.tolist() == [[0, 5], [2**62, -3], [11, 0]]
-    big = stage.block([[1] * 5] * 3, torch.float32)  # 6 + 15 > 16 floats: made apart
-    assert big.tolist() == [[1.0] * 5] * 3 and floats.tolist()[2] == [0.0, 0.05000000074505806]
+    # 16 + 48 + 24 bytes taken of 12 * 16: 192 more bytes of floats do not fit, made apart
+    big = stage.blocks([], [[1] * 8] * 6)[1]
+    assert big.tolist() == [[1.0] * 8] * 6 and floats.tolist()[2] == [0.0, 0.05000000074505806]
     columns = ([0.0, 0.8, 1.3], [0, 4, 0], [1.0, 0.9, 1.0], [0.0, 0.0, 0.1], [7, 2**40, -1],
                [0, 17, 3])
     stage.start()
-    staged = SamplingBatch.from_lists(*columns, stage=stage.block)
+    staged = SamplingBatch.from_lists(*columns, stage=stage.blocks)
     fresh = SamplingBatch.from_lists(*columns)
     for name in ("temperature", "top_k", "top_p", "min_p", "seed", "step"):
         a, b = getattr(staged, name), getattr(fresh, name)

@@ -293,8 +293,9 @@ class _IndexStage:
     logprob rows, the sampling parameters), from one pinned host buffer written in place and
     copied without blocking: a pinned tensor made per use (`_index`) cost ~0.1 ms of host time
     each on an H100 host, a fifth of a guided step's extra host work over an unguided one.
-    `blocks` stages int64 and float32 columns with one copy: each copy releases the GIL, and
-    on a rank whose other threads want it, taking it back costs more than the copy.
+    `blocks` stages a sampling point's int64 and float32 columns with one copy: each copy
+    releases the GIL, and on a rank whose other threads want it, taking it back costs more
+    than the copy.
 
     `start()` at each sampling point, which may then take up to `capacity` int64 and
     `capacity` float32 entries (more go through fresh tensors). The buffer is free again by
@@ -314,17 +315,12 @@ class _IndexStage:
 
     def __call__(self, values: list[int]) -> torch.Tensor:
         """`values` as an int64 index on the device (valid until the next `start()`)."""
-        return self.block([values], torch.int64)[0]
-
-    def block(self, columns: list[list], dtype: torch.dtype) -> torch.Tensor:
-        """Equal-length `columns` as one (len(columns), n) tensor of `dtype` (int64 or
-        float32) on the device, valid until the next `start()`."""
-        out = self.blocks(columns, []) if dtype == torch.int64 else self.blocks([], columns)
-        return out[0] if dtype == torch.int64 else out[1]
+        return self.blocks([values], [])[0][0]
 
     def blocks(self, ints: list[list], floats: list[list]) -> tuple:
         """Equal-length int64 columns `ints` and float32 columns `floats` as (k, n) int64 and
-        (m, n) float32 tensors on the device (None for an empty list), in one copy."""
+        (m, n) float32 tensors on the device (None for an empty list), in one copy, valid
+        until the next `start()`."""
         n = len((ints or floats)[0])
         a = self._at
         mid = a + 8 * n * len(ints)
@@ -1305,7 +1301,7 @@ class Engine:
         return SamplingBatch.from_lists(
             [q.temperature for q in reqs], [q.top_k for q in reqs], [q.top_p for q in reqs],
             [q.min_p for q in reqs], [q.seed for q in reqs], steps, device=self.device,
-            stage=self._index.block)
+            stage=self._index.blocks)
 
     def _suppress_early_stop(self, logits: torch.Tensor, rows: list[Run]) -> None:
         """EOS and stop ids are not sampled before min_tokens, unless the grammar allows

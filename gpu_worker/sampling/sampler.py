@@ -97,9 +97,10 @@ class SamplingBatch:
     def from_lists(cls, temperature, top_k, top_p, min_p, seed, step,
                    device: torch.device | str = "cpu", stage=None) -> SamplingBatch:
         """Build a batch from per-row Python sequences, checking values on the host (no device
-        sync). Raises ValueError naming the field. `stage(columns, dtype)`, when given, turns
-        equal-length columns into one (k, n) tensor on `device` (the engine's staged pinned
-        buffers: no pinned allocation per step)."""
+        sync). Raises ValueError naming the field. `stage(int_columns, float_columns)`, when
+        given, turns equal-length columns into a (k, n) int64 and an (m, n) float32 tensor on
+        `device` (the engine's staged pinned buffer: one copy, no pinned allocation per
+        step)."""
         columns = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
                    "seed": seed, "step": step}
         n_rows = len(temperature)
@@ -113,12 +114,13 @@ class SamplingBatch:
             if not all(ok(v) for v in columns[name]):
                 raise ValueError(f"{name}: every value must be {rule}")
         flags = SamplingFlags.of(temperature, top_k, top_p, min_p)
-        # Two packed tensors, so a step costs two non-blocking copies instead of six pageable
-        # ones: staged, or made here (pinned for a GPU, from PyTorch's caching host allocator).
+        # Two packed tensors, so a step costs one or two non-blocking copies instead of six
+        # pageable ones: staged, or made here (pinned for a GPU, from PyTorch's caching host
+        # allocator).
         float_rows = [list(temperature), list(top_p), list(min_p)]
         int_rows = [list(top_k), list(seed), list(step)]
         if stage is not None:
-            floats, ints = stage(float_rows, torch.float32), stage(int_rows, torch.int64)
+            ints, floats = stage(int_rows, float_rows)
         else:
             floats = torch.tensor(float_rows, dtype=torch.float32)
             ints = torch.tensor(int_rows, dtype=torch.int64)
