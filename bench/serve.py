@@ -184,8 +184,9 @@ class Stack:
 
 
 def roles(root: int) -> dict[str, int]:
-    """The stack's processes by role (gateway, rank0, rank1, ..., grammar), from their
-    command lines; compile-pool children and helpers are left out."""
+    """The stack's processes by role (gateway, rank0, rank1, ..., the ranks' gRPC fronts
+    front0, front1, ..., grammar), from their command lines; compile-pool children and
+    helpers are left out."""
     out = {}
     for pid in _descendants(root):
         try:
@@ -200,6 +201,8 @@ def roles(root: int) -> dict[str, int]:
             out[f"gateway{sum(k.startswith('gateway') for k in out)}"] = pid
         elif module == "grammar_service":
             out["grammar"] = pid
+        elif module == "gpu_worker.control.front":
+            out[f"front{sum(k.startswith('front') for k in out)}"] = pid
         elif module == "gpu_worker" and "--rank" in args:
             name = f"rank{args[args.index('--rank') + 1]}"  # group 0's; then rank0-2, ...
             n = sum(k == name or k.startswith(name + "-") for k in out)

@@ -1,7 +1,9 @@
-"""The Worker gRPC service of one rank: translates between protos and the engine.
+"""One rank's engine process: builds the rank and serves its gRPC front's requests.
 
 `serve(cfg)` builds the rank (distributed groups, model, slot table, grammar cache, engine)
-and its server; `main(argv)` is `gramserve worker`. SIGTERM drains the rank's whole group
+and starts its gRPC front, a process of its own (`gpu_worker.control.front`: the Worker
+service; this module's `FrontLink` is the engine's end of the socket between them);
+`main(argv)` is `gramserve worker`. SIGTERM drains the rank's whole group
 (gpu_worker/control/engine.py): every rank reports NOT_SERVING and refuses admissions with
 UNAVAILABLE (the gateway admits the request on another group), running requests finish for
 up to --drain-timeout seconds, then every rank exits 0.
@@ -12,13 +14,16 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-import queue
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import grpc
 import torch
@@ -34,25 +39,22 @@ from gpu_worker.runtime.loader import load_model
 from gpu_worker.runtime.parallel import init_distributed
 from grammar_service.default_model import resolve_model
 from grammar_service.vocab import Vocab, load_vocab
-from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from protos import common_pb2, worker_pb2
 from protos.rpc import (
     ConstantLabels,
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     ResourceExhausted,
     ServiceError,
     Unavailable,
-    create_server,
     register_build_info,
-    set_serving,
     start_metrics_server,
 )
 from protos.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+_FRONT_START_S = 60.0  # the front imports grpc and binds its port: well under a second
 _FINISH = {
     eng.STOP: common_pb2.FINISH_REASON_STOP,
     eng.LENGTH: common_pb2.FINISH_REASON_LENGTH,
@@ -88,199 +90,6 @@ def request_from_proto(msg: worker_pb2.AdmitRequest, vocab: Vocab, max_model_len
         logprobs_mode=s.logprobs_mode)
 
 
-def finished_proto(finish: eng.Finish, prompt_tokens: int) -> worker_pb2.Finished:
-    return worker_pb2.Finished(
-        reason=_FINISH.get(finish.reason, common_pb2.FINISH_REASON_ERROR_INTERNAL),
-        message=finish.message, code=finish.code,
-        usage=common_pb2.Usage(prompt_tokens=prompt_tokens,
-                               completion_tokens=finish.completion_tokens),
-        start_seconds=finish.start_seconds, first_token_seconds=finish.first_token_seconds)
-
-
-def step_update(step: int, outputs: list[eng.RowOutput]) -> worker_pb2.SessionEvent:
-    """One session's rows of one step, as the message rank 0 sends. Rows are added in place
-    (`rows.add`): building each RowUpdate apart and copying it into the list took 2.4x the
-    time, all of it holding the GIL that the engine thread needs between its CUDA calls."""
-    event = worker_pb2.SessionEvent()
-    update = event.step
-    update.step = step
-    add = update.rows.add
-    for out in outputs:
-        row = add(tag=out.req.tag, token_ids=out.tokens)
-        if out.logprobs:
-            for token, (logprob, top_ids, top_lps) in zip(out.tokens, out.logprobs,
-                                                          strict=False):
-                row.logprobs.add(token_id=token, logprob=logprob, top_token_ids=top_ids,
-                                 top_logprobs=top_lps)
-        if out.finish is not None:
-            row.finished.CopyFrom(finished_proto(out.finish, len(out.req.prompt)))
-    return event
-
-
-class Session:
-    """One gateway's Session stream on this rank: its outgoing queue and its live requests.
-
-    Engine outputs, admission results and drops are put on `out` from any thread; the
-    stream's handler thread turns them into messages, so the engine thread never builds a
-    protobuf. `live` holds the entries this session admitted, so that a vanished gateway's
-    requests are released.
-    """
-
-    _CLOSE = object()
-
-    def __init__(self, rank: Rank):
-        self.rank = rank
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
-        self.live: dict[int, object] = {}  # tag -> slots.Entry
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def events(self, context) -> Iterator[worker_pb2.SessionEvent]:
-        """The stream's outgoing messages until the session closes."""
-        while True:
-            try:
-                item = self.out.get(timeout=1.0)
-            except queue.Empty:
-                if not context.is_active():
-                    return
-                continue
-            if item is self._CLOSE:
-                return
-            if isinstance(item, tuple):  # (step, [RowOutput, ...]) from the engine
-                for out in item[1]:
-                    if out.finish is not None:
-                        with self.lock:
-                            self.live.pop(out.req.tag, None)
-                yield step_update(*item)
-            else:
-                yield item
-
-    def read(self, requests: Iterator[worker_pb2.SessionRequest]) -> None:
-        """Serve the incoming admissions and releases until the gateway closes its side."""
-        try:
-            for msg in requests:
-                if msg.HasField("admit"):
-                    self.rank.admit_pool.submit(self._admit, msg.admit)
-                elif msg.HasField("release"):
-                    try:
-                        self.rank.table.request_release(msg.release.slot, msg.release.request_id)
-                    except (IndexError, UnknownRequest):
-                        pass  # stale or double: the request is gone already
-        except grpc.RpcError:
-            pass  # the stream broke: the gateway is gone
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Release every request this session still holds, on every rank, and end the stream."""
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            live, self.live = list(self.live.values()), {}
-        for entry in live:
-            try:
-                self.rank.table.request_release(entry.slot, entry.request_id)
-            except (IndexError, UnknownRequest):
-                pass
-        self.out.put(self._CLOSE)
-
-    def _admit(self, msg: worker_pb2.AdmitRequest) -> None:
-        r = self.rank
-        try:
-            entry = r.admit(msg, self)
-        except ServiceError as exc:
-            self.out.put(worker_pb2.SessionEvent(admitted=worker_pb2.AdmitResult(
-                tag=msg.tag, code=exc.code.value[0], message=str(exc), rank=r.cfg.rank)))
-            return
-        except Exception as exc:  # a bug: the request fails, the rank goes on
-            log.exception("admit failed")
-            self.out.put(worker_pb2.SessionEvent(admitted=worker_pb2.AdmitResult(
-                tag=msg.tag, code=grpc.StatusCode.INTERNAL.value[0],
-                message=f"internal error: {type(exc).__name__}", rank=r.cfg.rank)))
-            return
-        with self.lock:
-            closed = self.closed
-            if not closed:
-                self.live[msg.tag] = entry
-        if closed:  # the gateway left while this admission ran
-            try:
-                r.table.request_release(entry.slot, entry.request_id)
-            except (IndexError, UnknownRequest):
-                pass
-            return
-        self.out.put(worker_pb2.SessionEvent(admitted=worker_pb2.AdmitResult(
-            tag=msg.tag, code=0, slot=entry.slot, rank=r.cfg.rank)))
-
-    def dropped(self, req: eng.Request, reason: str) -> None:
-        """A pending request left the table without starting (rank 0): tell the gateway."""
-        with self.lock:
-            self.live.pop(req.tag, None)
-        if reason == "released":
-            finish = eng.Finish(eng.CANCELLED, "released before it started")
-        else:
-            finish = eng.Finish(eng.UNAVAILABLE, f"request was not started on every rank: {reason}",
-                                code=grpc.StatusCode.UNAVAILABLE.value[0])
-        self.out.put((0, [eng.RowOutput(req, [], finish)]))
-
-
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Session / Release / Info of one rank: thin over `Rank`."""
-
-    def __init__(self, rank: Rank):
-        self.r = rank
-
-    def Session(self, request_iterator, context):
-        if not self.r.serving:
-            raise Unavailable("this worker rank lost its group and is shutting down")
-        session = Session(self.r)
-        context.add_callback(session.close)
-        threading.Thread(target=session.read, args=(request_iterator,), daemon=True,
-                         name="session-reader").start()
-        yield from session.events(context)
-
-    def Release(self, request, context):
-        try:
-            was_running = self.r.table.request_release(request.slot, request.request_id)
-        except IndexError as exc:
-            raise InvalidArgument(str(exc), field="slot") from None
-        except UnknownRequest as exc:
-            raise NotFound(str(exc)) from None
-        return worker_pb2.ReleaseResponse(was_running=was_running)
-
-    def Info(self, request, context):
-        r = self.r
-        slots = []
-        runs = dict(r.engine.runs)
-        for i, (state, entry) in enumerate(r.table.snapshot()):
-            info = worker_pb2.SlotInfo(slot=i, state=_SLOT_STATE.get(state, 0))
-            if entry is not None:
-                info.request_id = entry.request_id
-                info.guided = entry.payload.matcher is not None
-            run = runs.get(i)
-            if state == "running" and run is not None:
-                prefill = run.prefilled < len(run.req.prompt)
-                info.state = worker_pb2.SLOT_STATE_PREFILL if prefill else worker_pb2.SLOT_STATE_DECODE
-                info.context_tokens = run.kv_len
-            elif state == "running":
-                info.state = worker_pb2.SLOT_STATE_PREFILL
-            slots.append(info)
-        return worker_pb2.WorkerInfo(
-            rank=r.cfg.rank, tp_size=r.cfg.tp, num_slots=r.cfg.slots,
-            max_model_len=r.cfg.max_model_len, model=str(r.model_dir),
-            vocab_fingerprint=r.vocab.fingerprint, vocab_size=r.vocab.vocab_size,
-            model_vocab_size=r.vocab.model_vocab_size, slots=slots, device=str(r.device),
-            dtype=str(r.dtype).removeprefix("torch."), serving=r.serving and not r.draining)
-
-
-def _dropped(entry, reason: str) -> None:
-    """A pending Admit left the table without starting: free its grammar, tell its session."""
-    req = entry.payload
-    req.close()
-    if req.session is not None:
-        req.session.dropped(req, reason)
-
-
 @dataclass
 class Rank:
     """Everything one rank process holds."""
@@ -296,16 +105,17 @@ class Rank:
     metrics: WorkerMetrics
     admit_pool: ThreadPoolExecutor
     serving: bool = True
+    link: FrontLink | None = None  # to the gRPC front, once it started
 
     @property
     def draining(self) -> bool:
         """This rank was told to drain, or its group drains."""
         return self.engine.drain_requested or self.engine.draining
 
-    def admit(self, msg: worker_pb2.AdmitRequest, session: Session) -> Entry:
-        """Validate an Admit, pin its grammar, build this rank's own matcher (I1) and claim
-        the slot (rank 0 allocates; other ranks register rank 0's choice). Raises
-        ServiceError; on failure nothing is held."""
+    def admit(self, msg: worker_pb2.AdmitRequest, session: int) -> Entry:
+        """Validate an Admit from the front's `session`, pin its grammar, build this rank's
+        own matcher (I1) and claim the slot (rank 0 allocates; other ranks register rank 0's
+        choice). Raises ServiceError; on failure nothing is held."""
         if not self.serving:
             raise Unavailable("this worker rank lost its group and is shutting down")
         if self.draining:
@@ -328,11 +138,11 @@ class Rank:
                     raise FailedPrecondition("rank 0 allocates slots: send slot = -1", field="slot")
                 req.session = session
                 try:
-                    return self.table.allocate(req.request_id, req, on_drop=_dropped)
+                    return self.table.allocate(req.request_id, req, on_drop=self._dropped)
                 except NoFreeSlot as exc:
                     raise ResourceExhausted(str(exc)) from None
             try:
-                return self.table.register(msg.slot, req.request_id, req, on_drop=_dropped)
+                return self.table.register(msg.slot, req.request_id, req, on_drop=self._dropped)
             except IndexError as exc:
                 raise InvalidArgument(str(exc), field="slot") from None
             except (SlotBusy, UnknownRequest) as exc:
@@ -341,16 +151,226 @@ class Rank:
             req.close()
             raise
 
+    def _dropped(self, entry: Entry, reason: str) -> None:
+        """A pending Admit left the table without starting: free its grammar, tell its
+        session (rank 0)."""
+        req = entry.payload
+        req.close()
+        if req.session is not None and self.link is not None:
+            self.link.dropped(req, reason)
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        slots = []
+        runs = dict(self.engine.runs)
+        for i, (state, entry) in enumerate(self.table.snapshot()):
+            info = worker_pb2.SlotInfo(slot=i, state=_SLOT_STATE.get(state, 0))
+            if entry is not None:
+                info.request_id = entry.request_id
+                info.guided = entry.payload.matcher is not None
+            run = runs.get(i)
+            if state == "running" and run is not None:
+                prefill = run.prefilled < len(run.req.prompt)
+                info.state = worker_pb2.SLOT_STATE_PREFILL if prefill else worker_pb2.SLOT_STATE_DECODE
+                info.context_tokens = run.kv_len
+            elif state == "running":
+                info.state = worker_pb2.SLOT_STATE_PREFILL
+            slots.append(info)
+        cfg = self.cfg
+        return worker_pb2.WorkerInfo(
+            rank=cfg.rank, tp_size=cfg.tp, num_slots=cfg.slots,
+            max_model_len=cfg.max_model_len, model=str(self.model_dir),
+            vocab_fingerprint=self.vocab.fingerprint, vocab_size=self.vocab.vocab_size,
+            model_vocab_size=self.vocab.model_vocab_size, slots=slots, device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            serving=self.serving and not self.draining)
+
+
+def _finish_tuple(finish: eng.Finish, prompt_tokens: int) -> tuple:
+    """A Finish as the front builds its proto (`front.finished_proto`)."""
+    return (_FINISH.get(finish.reason, common_pb2.FINISH_REASON_ERROR_INTERNAL), finish.message,
+            finish.code, finish.completion_tokens, finish.start_seconds,
+            finish.first_token_seconds, prompt_tokens)
+
+
+class FrontLink:
+    """The engine process's end of the socket to the rank's gRPC front
+    (`gpu_worker.control.front`, which says why the front is a process of its own).
+
+    One reader thread serves the front's messages: admissions go to the rank's admit pool (a
+    grammar fetch can take seconds), releases to the slot table. `live` holds, per open
+    session, the entries it admitted (tag -> Entry), so that a vanished gateway's requests are
+    released. The engine thread calls `publish` once per step (rank 0).
+    """
+
+    def __init__(self, rank: Rank, conn: Connection, proc: subprocess.Popen):
+        self.rank = rank
+        self.conn = conn
+        self.proc = proc
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self.live: dict[int, dict[int, Entry]] = {}
+        self.stopping = False
+        self.on_lost: Callable[[], None] | None = None
+
+    @classmethod
+    def start(cls, rank: Rank) -> tuple[FrontLink, int]:
+        """Start the front process, have it bind the rank's port; return (link, port)."""
+        cfg = rank.cfg
+        ours, theirs = socket.socketpair()
+        proc = subprocess.Popen([sys.executable, "-m", "gpu_worker.control.front",
+                                 str(theirs.fileno())], pass_fds=[theirs.fileno()])
+        theirs.close()
+        conn = Connection(ours.detach())
+        conn.send({"host": cfg.host, "port": cfg.port, "tls": _tls_pair(cfg),
+                   "tls_client_ca": (open(cfg.tls_client_ca, "rb").read()
+                                     if cfg.tls_client_ca else None),
+                   "reflection": cfg.reflection == "on",
+                   "log_level": logging.getLogger().getEffectiveLevel()})
+        if not conn.poll(_FRONT_START_S):
+            proc.kill()
+            raise RuntimeError(f"the rank's gRPC front did not start in {_FRONT_START_S:g} s")
+        try:
+            kind, value = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the rank's gRPC front exited with status {proc.wait()}") from None
+        if kind != "bound":
+            proc.wait()
+            raise RuntimeError(value)
+        link = cls(rank, conn, proc)
+        threading.Thread(target=link._read, daemon=True, name="front-reader").start()
+        return link, value
+
+    def send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
     def publish(self, outputs: list[eng.RowOutput]) -> None:
-        """Engine thread: hand each session its rows of this step (one message per session)."""
-        by_session: dict[int, tuple[Session, list]] = {}
+        """Engine thread: every session's rows of this step, in one message to the front."""
+        rows, ended = [], []
         for out in outputs:
-            session = out.req.session
-            if session is not None:
-                by_session.setdefault(id(session), (session, []))[1].append(out)
-        step = self.engine.step_index
-        for session, rows in by_session.values():
-            session.out.put((step, rows))
+            req = out.req
+            if req.session is None:
+                continue
+            finish = out.finish
+            if finish is not None:
+                ended.append((req.session, req.tag))
+                finish = _finish_tuple(finish, len(req.prompt))
+            rows.append((req.session, req.tag, out.tokens, out.logprobs or None, finish))
+        if ended:
+            with self._lock:
+                for sid, tag in ended:
+                    self.live.get(sid, {}).pop(tag, None)
+        if rows:
+            self.send(("step", self.rank.engine.step_index, rows))
+
+    def dropped(self, req: eng.Request, reason: str) -> None:
+        """A pending request left the table without starting (rank 0): tell its session."""
+        with self._lock:
+            self.live.get(req.session, {}).pop(req.tag, None)
+        if reason == "released":
+            finish = eng.Finish(eng.CANCELLED, "released before it started")
+        else:
+            finish = eng.Finish(eng.UNAVAILABLE, f"request was not started on every rank: {reason}",
+                                code=grpc.StatusCode.UNAVAILABLE.value[0])
+        self.send(("step", 0, [(req.session, req.tag, [], None,
+                                _finish_tuple(finish, len(req.prompt)))]))
+
+    def health(self, serving: bool, sessions: bool = True) -> None:
+        self.send(("health", serving, sessions))
+
+    def stop(self, grace: float) -> None:
+        """Have the front stop its server (streams get `grace` seconds) and wait for it."""
+        self.stopping = True
+        try:
+            self.send(("stop", grace))
+        except OSError:
+            pass
+        try:
+            self.proc.wait(grace + 2.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._serve(msg)
+            except Exception:  # a bug: this message fails, the rank goes on
+                log.exception("front message %r failed", msg[0])
+        if not self.stopping:
+            log.error("the rank's gRPC front exited (status %s)", self.proc.poll())
+            if self.on_lost is not None:
+                self.on_lost()
+
+    def _serve(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "admit":
+            self.rank.admit_pool.submit(self._admit, msg[1], msg[2])
+        elif kind == "release":
+            _, slot, request_id, call_id = msg
+            self._release(slot, request_id, call_id)
+        elif kind == "open":
+            with self._lock:
+                self.live[msg[1]] = {}
+        elif kind == "close":
+            self._close(msg[1])
+        elif kind == "info":
+            self.send(("reply", msg[1], self.rank.info().SerializeToString()))
+
+    def _release(self, slot: int, request_id: str, call_id: int) -> None:
+        try:
+            reply = ("ok", self.rank.table.request_release(slot, request_id))
+        except IndexError as exc:
+            reply = ("slot", str(exc))
+        except UnknownRequest as exc:
+            reply = ("unknown", str(exc))
+        with self._lock:  # the gateway is done with it: the session stops holding it
+            for live in self.live.values():
+                tag = next((t for t, e in live.items()
+                            if e.slot == slot and e.request_id == request_id), None)
+                if tag is not None:
+                    del live[tag]
+                    break
+        if call_id:
+            self.send(("reply", call_id, reply))
+
+    def _close(self, sid: int) -> None:
+        """The session's stream ended: release every request it still holds."""
+        with self._lock:
+            live = self.live.pop(sid, {})
+        for entry in live.values():
+            try:
+                self.rank.table.request_release(entry.slot, entry.request_id)
+            except (IndexError, UnknownRequest):
+                pass
+
+    def _admit(self, sid: int, data: bytes) -> None:
+        r = self.rank
+        msg = worker_pb2.AdmitRequest.FromString(data)
+        try:
+            entry = r.admit(msg, sid)
+        except ServiceError as exc:
+            self.send(("admitted", sid, msg.tag, exc.code.value[0], str(exc), 0, r.cfg.rank))
+            return
+        except Exception as exc:  # a bug: the request fails, the rank goes on
+            log.exception("admit failed")
+            self.send(("admitted", sid, msg.tag, grpc.StatusCode.INTERNAL.value[0],
+                       f"internal error: {type(exc).__name__}", 0, r.cfg.rank))
+            return
+        with self._lock:
+            live = self.live.get(sid)
+            if live is not None:
+                live[msg.tag] = entry
+        if live is None:  # the gateway left while this admission ran
+            try:
+                r.table.request_release(entry.slot, entry.request_id)
+            except (IndexError, UnknownRequest):
+                pass
+            return
+        self.send(("admitted", sid, msg.tag, 0, "", entry.slot, r.cfg.rank))
 
 
 def _device_and_dtype(cfg: WorkerConfig) -> tuple[torch.device, torch.dtype]:
@@ -414,31 +434,31 @@ def build_rank(cfg: WorkerConfig, registry: CollectorRegistry) -> Rank:
     # sized for concurrent fetches, not for the slot count.
     rank = Rank(cfg, model_dir, vocab, device, dtype, table, grammars, engine, metrics,
                 ThreadPoolExecutor(8, thread_name_prefix="admit"))
-    if cfg.rank == 0:
-        engine.publish = rank.publish
     return rank
 
 
 def serve(cfg: WorkerConfig, registry: CollectorRegistry | None = None):
-    """Start the rank and its gRPC server; return (server, port, rank). Blocks until the
-    group is formed (every rank must be started)."""
+    """Start the rank, its gRPC front process and its engine; return (port, rank). Blocks
+    until the group is formed (every rank must be started)."""
     registry = registry or CollectorRegistry()
     rank = build_rank(cfg, registry)
-    client_ca = open(cfg.tls_client_ca, "rb").read() if cfg.tls_client_ca else None
-    server, port, health = create_server(
-        [(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(rank), SERVICE_NAME)],
-        host=cfg.host, port=cfg.port, tls=_tls_pair(cfg), client_ca=client_ca,
-        reflection=cfg.reflection == "on")
+    link, port = FrontLink.start(rank)
+    rank.link = link
+    if cfg.rank == 0:
+        rank.engine.publish = link.publish
 
-    def on_fatal(exc: BaseException) -> None:
-        # A rank without its peers can do nothing useful: say so, let streams carry the
-        # error out, then exit so that a supervisor restarts the whole group.
+    def on_fatal(exc: BaseException | None) -> None:
+        # A rank without its peers (or its front) can do nothing useful: say so, let streams
+        # carry the error out, then exit so that a supervisor restarts the whole group.
         rank.serving = False
-        set_serving(health, [SERVICE_NAME], False)
+        try:
+            link.health(False, sessions=False)
+        except OSError:
+            pass
 
         def die():
             time.sleep(1.0)
-            server.stop(0.5)
+            link.stop(0.5)
             os._exit(3)
 
         threading.Thread(target=die, daemon=True).start()
@@ -446,11 +466,12 @@ def serve(cfg: WorkerConfig, registry: CollectorRegistry | None = None):
     def on_drain() -> None:
         # Out of the gateways' rotation at their next health check; admissions are refused
         # meanwhile (Rank.admit), which they retry on another group.
-        set_serving(health, [SERVICE_NAME], False)
+        link.health(False)
         rank.metrics.draining.set(1)
 
     rank.engine.on_fatal = on_fatal
     rank.engine.on_drain = on_drain
+    link.on_lost = lambda: on_fatal(None)
     rank.engine.start()
     register_build_info(registry, "worker", torch=torch.__version__,
                         xgrammar=importlib.metadata.version("xgrammar"))
@@ -458,7 +479,7 @@ def serve(cfg: WorkerConfig, registry: CollectorRegistry | None = None):
                          host=cfg.metrics_host)
     log.info("worker rank %d/%d serving on %s:%d (model %s, %s, %d slots)", cfg.rank, cfg.tp,
              cfg.host, port, rank.model_dir, rank.device, cfg.slots)
-    return server, port, rank
+    return port, rank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -470,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    server, _, rank = serve(cfg)
+    _, rank = serve(cfg)
     stop = threading.Event()
     rank.engine.on_drained = stop.set  # the group drained (this rank's signal or a peer's)
 
@@ -485,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, on_signal)
     stop.wait()
     log.info("rank %d stopping", cfg.rank)
-    server.stop(grace=2.0).wait(3.0)
+    rank.link.stop(grace=2.0)
     rank.engine.stop()
     return 0
 
