@@ -103,7 +103,7 @@ def test_rows_reach_the_session_that_admitted_them(system):
             assert len(tokens) == lengths[k]
             assert finished.reason == common_pb2.FINISH_REASON_LENGTH
             assert finished.usage.completion_tokens == lengths[k]
-        for k, client in enumerate(clients):
+        for client in clients:
             rows = client.sessions[0].rows
             assert len(rows) == per  # tags 1..per of this session only
             assert all(sum(r.HasField("finished") for r in rs) == 1 for rs in rows.values())
