@@ -8,6 +8,8 @@ import dataclasses
 import json
 import math
 import random
+import threading
+import time
 
 import pytest
 import tokenizers
@@ -421,3 +423,36 @@ def test_index_stage_blocks_keep_their_dtype_and_rows_beside_the_indices():
         a, b = getattr(staged, name), getattr(fresh, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert staged.flags == fresh.flags
+
+
+def test_an_idle_engine_backs_off_and_wakes_at_once(model_dir):
+    """An idle engine waits longer for its table after each idle step (an idle TP group's
+    control all-reduce costs every rank CPU), up to its cap; an Admit or a drain still wakes
+    it at once, so the backoff adds no start latency."""
+    h = EngineHarness(model_dir, slots=2)
+    eng = h.engine
+    eng.cfg = dataclasses.replace(eng.cfg, idle_poll_s=0.01, idle_poll_max_s=0.64)
+    eng._idle_wait = eng.cfg.idle_poll_s
+    waits = []
+    for _ in range(7):
+        eng.step()
+        waits.append(eng._idle_wait)
+    assert waits == [0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 0.64]
+    req = make(h, "wake", max_tokens=2)
+    timer = threading.Timer(0.02, lambda: h.table.allocate(req.request_id, req))
+    t0 = time.monotonic()
+    timer.start()
+    eng.step()
+    assert time.monotonic() - t0 < 0.4 and eng.runs  # it started, well before the 0.64 s wait
+    assert eng._idle_wait == eng.cfg.idle_poll_s
+    while eng.runs or eng._inflight is not None:
+        eng.step()
+    h._outputs.clear()
+    for _ in range(7):
+        eng.step()
+    assert eng._idle_wait == 0.64
+    timer = threading.Timer(0.02, eng.drain)
+    t0 = time.monotonic()
+    timer.start()
+    eng.step()
+    assert time.monotonic() - t0 < 0.4 and eng.drained.is_set()

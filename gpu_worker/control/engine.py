@@ -402,7 +402,13 @@ class EngineConfig:
     max_model_len: int
     step_tokens: int = 512           # per-step token budget (decode tokens + prefill chunks)
     divergence_check_every: int = 1  # 0 disables the check
+    # An idle engine waits this long for its table to change before the next lockstep step,
+    # twice as long after each idle step without a change, up to idle_poll_max_s: an idle
+    # TP group's control all-reduce (gloo) kept a core a fifth busy per rank at 5 ms. Any
+    # Admit, release or drain wakes the rank at once, and a slot starts once every rank holds
+    # its Admit, which wakes each rank as it arrives: the backoff adds no start latency.
     idle_poll_s: float = 0.005
+    idle_poll_max_s: float = 0.05
     # CUDA only: replay steps of up to this many new tokens (decode rows and prefill chunks
     # alike) from captured graphs (0 = eager). The model's KV cache needs one slot more than
     # num_slots (the scratch slot).
@@ -497,6 +503,7 @@ class Engine:
         self.drain_requested = False  # drain() was called on this rank
         self.draining = False  # the group drains (some rank's drain reached the lockstep)
         self.drained = threading.Event()  # the group drained; the loop has ended
+        self._idle_wait = cfg.idle_poll_s
         self._drain_deadline: float | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -516,6 +523,7 @@ class Engine:
         loop ends on every rank at the same step (`drained`, `on_drained`). Admissions must
         be refused from now on (the caller's part: `draining or drain_requested`)."""
         self.drain_requested = True
+        self.table.poke()
 
     def _loop(self) -> None:
         try:
@@ -544,7 +552,10 @@ class Engine:
         k-1 (accept, finish, publish, the masks of step k) runs while the GPU computes.
         """
         if not self.runs and self._inflight is None:
-            self.table.wait_for_change(self.cfg.idle_poll_s)
+            if self.table.wait_for_change(self._idle_wait) or self.table.in_use():
+                self._idle_wait = self.cfg.idle_poll_s
+            else:
+                self._idle_wait = min(2 * self._idle_wait, self.cfg.idle_poll_max_s)
         if self._lockstep():
             return self._end_drain(timed_out=True)
         with torch.inference_mode():

@@ -180,12 +180,19 @@ class SlotTable:
         dropped.drop("released")
         return False
 
-    def wait_for_change(self, timeout: float) -> None:
-        """Block up to `timeout` until a gRPC call changed the table (idle engine)."""
+    def wait_for_change(self, timeout: float) -> bool:
+        """Block up to `timeout` until a call changed the table (idle engine), or `poke`;
+        True when something did."""
         with self._cond:
             if not self._changed:
                 self._cond.wait(timeout)
-            self._changed = False
+            changed, self._changed = self._changed, False
+            return changed
+
+    def poke(self) -> None:
+        """Wake an engine waiting in `wait_for_change` (a drain asked, say)."""
+        with self._cond:
+            self._notify()
 
     def snapshot(self) -> list[tuple[str, Entry | None]]:
         """Per slot: ("free" | "pending" | "running", entry)."""
