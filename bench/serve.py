@@ -801,8 +801,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="only measure the load generator against fake gateways; exit")
     ns = p.parse_args(argv)
     if ns.tiny:
-        ns.device, ns.slots, ns.concurrency, ns.no_hf = "cpu", 8, "4", True
-        ns.duration, ns.requests, ns.client_processes = 0.0, ns.requests or 12, 1
+        # The smoke test's sizes, except where given (a host-bound whole-stack run on a CPU:
+        # --tiny --slots 64 --concurrency 64 --duration 10).
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
+        ns.device, ns.no_hf, ns.client_processes = "cpu", True, 1
+        ns.slots = ns.slots if "--slots" in given else 8
+        ns.concurrency = ns.concurrency if "--concurrency" in given else "4"
+        if "--duration" not in given:
+            ns.duration, ns.requests = 0.0, ns.requests or 12
         ns.steps, ns.context, ns.max_tokens = 5, 16, min(ns.max_tokens, 32)
         ns.client_servers = min(ns.client_servers, 1)
     ns.concurrency = [int(c) for c in str(ns.concurrency).split(",")]
