@@ -94,8 +94,11 @@ class Link:
         self.server: grpc.Server | None = None
 
     def send(self, msg: tuple) -> None:
-        with self._lock:
-            self.conn.send(msg)
+        try:
+            with self._lock:
+                self.conn.send(msg)
+        except (OSError, ValueError):  # the engine process is gone (this process exits too)
+            raise Unavailable("this worker rank's engine process is gone") from None
 
     def call(self, msg: tuple):
         """Send a request that carries a call id (its last field); wait for the reply."""
@@ -184,8 +187,8 @@ class Session:
                     self.link.send(("admit", self.sid, msg.admit.SerializeToString()))
                 elif msg.HasField("release"):
                     self.link.send(("release", msg.release.slot, msg.release.request_id, 0))
-        except grpc.RpcError:
-            pass  # the stream broke: the gateway is gone
+        except (grpc.RpcError, Unavailable):
+            pass  # the stream broke (the gateway is gone), or the engine did
         finally:
             self.close()
 
@@ -198,7 +201,7 @@ class Session:
         self.link.sessions.pop(self.sid, None)
         try:
             self.link.send(("close", self.sid))
-        except OSError:
+        except Unavailable:
             pass  # the engine is gone; so is everything the session held
         self.out.put(self._CLOSE)
 
