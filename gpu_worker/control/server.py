@@ -198,8 +198,10 @@ class FrontLink:
 
     One reader thread serves the front's messages: admissions go to the rank's admit pool (a
     grammar fetch can take seconds), releases to the slot table. `live` holds, per open
-    session, the entries it admitted (tag -> Entry), so that a vanished gateway's requests are
-    released. The engine thread calls `publish` once per step (rank 0).
+    session, the entries it admitted and has not released yet ((slot, request id) -> Entry:
+    a gateway releases every request it admitted, on every rank, once it ends), so that a
+    vanished gateway's requests are released. The engine thread calls `publish` once per step
+    (rank 0).
     """
 
     def __init__(self, rank: Rank, conn: Connection, proc: subprocess.Popen):
@@ -208,7 +210,7 @@ class FrontLink:
         self.proc = proc
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self.live: dict[int, dict[int, Entry]] = {}
+        self.live: dict[int, dict[tuple[int, str], Entry]] = {}
         self.stopping = False
         self.on_lost: Callable[[], None] | None = None
 
@@ -246,27 +248,20 @@ class FrontLink:
 
     def publish(self, outputs: list[eng.RowOutput]) -> None:
         """Engine thread: every session's rows of this step, in one message to the front."""
-        rows, ended = [], []
+        rows = []
         for out in outputs:
             req = out.req
             if req.session is None:
                 continue
             finish = out.finish
             if finish is not None:
-                ended.append((req.session, req.tag))
                 finish = _finish_tuple(finish, len(req.prompt))
             rows.append((req.session, req.tag, out.tokens, out.logprobs or None, finish))
-        if ended:
-            with self._lock:
-                for sid, tag in ended:
-                    self.live.get(sid, {}).pop(tag, None)
         if rows:
             self.send(("step", self.rank.engine.step_index, rows))
 
     def dropped(self, req: eng.Request, reason: str) -> None:
         """A pending request left the table without starting (rank 0): tell its session."""
-        with self._lock:
-            self.live.get(req.session, {}).pop(req.tag, None)
         if reason == "released":
             finish = eng.Finish(eng.CANCELLED, "released before it started")
         else:
@@ -327,12 +322,9 @@ class FrontLink:
             reply = ("slot", str(exc))
         except UnknownRequest as exc:
             reply = ("unknown", str(exc))
-        with self._lock:  # the gateway is done with it: the session stops holding it
+        with self._lock:  # the gateway is done with it: its session stops holding it
             for live in self.live.values():
-                tag = next((t for t, e in live.items()
-                            if e.slot == slot and e.request_id == request_id), None)
-                if tag is not None:
-                    del live[tag]
+                if live.pop((slot, request_id), None) is not None:
                     break
         if call_id:
             self.send(("reply", call_id, reply))
@@ -363,7 +355,7 @@ class FrontLink:
         with self._lock:
             live = self.live.get(sid)
             if live is not None:
-                live[msg.tag] = entry
+                live[entry.slot, entry.request_id] = entry
         if live is None:  # the gateway left while this admission ran
             try:
                 r.table.request_release(entry.slot, entry.request_id)
