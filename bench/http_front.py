@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,9 +31,9 @@ from bench.serve import Stack, cpu_seconds, roles, run_load, say  # noqa: E402
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from gateway.launcher import free_ports
+
+    return free_ports(1, set())
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -500,13 +500,11 @@ def client_check(ns, concurrency: int, servers: int) -> dict:
     """What the load generator alone can drive: `servers` fake-gateway processes sharing one
     port (SO_REUSEPORT), unguided, the same flags as a real run."""
     import multiprocessing
-    import socket
 
+    from gateway.launcher import free_ports
     from protos.rpc import check_health  # noqa: F401  (fails early without grpc)
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_ports(1, set())
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_fake_gateway, args=(port,), daemon=True)
              for _ in range(servers)]

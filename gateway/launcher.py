@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -143,6 +144,23 @@ def up_parser(p: argparse.ArgumentParser) -> None:
                         "healthy, within its deadline (GRAMSERVE_UNAVAILABLE_WAIT)")
 
 
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+# Ports the launcher hands out come from below the kernel's ephemeral range. A port found free
+# there by binding port 0 can be handed out again as the local port of an outgoing connection
+# (gloo's between two ranks, a gRPC channel, a readiness probe) before its server binds it:
+# "Address already in use", or a probe of a port nobody listens on yet connecting to itself
+# (TCP simultaneous open) and reading back its own request. Below the range no connection
+# takes a port.
+_PORTS = range(10000, min(_ephemeral_start(), 65536))
+
+
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -153,11 +171,16 @@ def _port_free(port: int) -> bool:
 
 
 def free_ports(n: int, taken: set[int]) -> int:
-    """The first of `n` consecutive free loopback ports, none of them in `taken`."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((_HOST, 0))
-            base = s.getsockname()[1]
+    """The first of `n` consecutive free loopback ports, none of them in `taken` (which gains
+    them), below the kernel's ephemeral range when it leaves room there."""
+    below = len(_PORTS) >= 1000
+    for _ in range(1000):
+        if below:
+            base = random.randrange(_PORTS.start, _PORTS.stop - n)
+        else:  # an unusual range: the kernel's choice
+            with socket.socket() as s:
+                s.bind((_HOST, 0))
+                base = s.getsockname()[1]
         ports = range(base, base + n)
         if base + n < 65536 and not taken.intersection(ports) and all(map(_port_free, ports)):
             taken.update(ports)
@@ -395,12 +418,13 @@ class System:
 
 def _answers(url: str) -> bool:
     """`url` answers 200 within a second."""
+    import http.client
     import urllib.request
 
     try:
         with urllib.request.urlopen(url, timeout=1.0) as r:
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return False
 
 

@@ -4,54 +4,25 @@ health waits and /metrics readings."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from gateway.launcher import free_ports
 from protos.rpc import check_health
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _ephemeral_start() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-# Ports for the tests' servers come from below the kernel's ephemeral range. A port taken
-# there (bind to port 0) can be handed out again as the local port of an outgoing connection
-# (gloo's between two ranks, a gRPC channel) before the server that was given it binds it:
-# "Address already in use", a whole fixture lost. Below the range no connection takes it.
-_PORTS = range(10000, min(_ephemeral_start(), 65536))
-_given: set[int] = set()
+_given: set[int] = set()  # never hand a port out twice in one test process
 
 
 def free_port() -> int:
-    """A loopback port free now, never handed out before in this process, and outside the
-    ephemeral range when the kernel leaves room below it."""
-    if len(_PORTS) < 1000:  # an unusual range: the kernel's choice
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    for _ in range(1000):
-        port = random.choice(_PORTS)
-        if port in _given:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _given.add(port)
-        return port
-    raise RuntimeError("no free loopback port")
+    """A loopback port free now, below the kernel's ephemeral range (see gateway.launcher)."""
+    return free_ports(1, _given)
 
 
 class Child:
@@ -100,24 +71,7 @@ def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
 
 def free_block(n: int) -> int:
     """A base port such that base .. base+n-1 are all free (for launchers using port + rank)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= (_PORTS.stop if len(_PORTS) >= 1000 else 65535):
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        _given.update(range(base, base + n))
-        return base
-    raise RuntimeError("no free block of ports")
+    return free_ports(n, _given)
 
 
 def wait_serving(addresses: list[str], children: list[Child], timeout: float = 180.0,

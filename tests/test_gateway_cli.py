@@ -116,6 +116,41 @@ def test_free_ports_are_consecutive_and_not_reused():
     assert taken >= {a, a + 1, a + 2, b, b + 1} and len(taken) == 5
 
 
+def test_free_ports_lie_below_the_ephemeral_range():
+    # A port from the ephemeral range can meanwhile become an outgoing connection's local
+    # port; a readiness probe of it then connects to itself. CI lost a whole `gramserve up`
+    # to that: the /metrics probe read back its own "GET /metrics" as the status line.
+    start = launcher._ephemeral_start()
+    if len(launcher._PORTS) < 1000:
+        pytest.skip(f"this kernel's ephemeral range starts at {start}: no room below it")
+    taken: set[int] = set()
+    for _ in range(200):
+        base = launcher.free_ports(4, taken)
+        assert 10000 <= base and base + 4 <= start
+    assert len(taken) == 800
+
+
+def test_a_probe_that_reads_no_http_status_line_is_not_ready():
+    # A listener that echoes the request back, as a self-connected probe would read it.
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def echo():
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(conn.recv(4096))
+
+    threading.Thread(target=echo, daemon=True).start()
+    try:
+        assert launcher._answers(f"http://127.0.0.1:{srv.getsockname()[1]}/metrics") is False
+    finally:
+        srv.close()
+
+
 def test_bench_summary_reports_percentiles_errors_and_schema_rate():
     results = [loadgen.Outcome("OK", True, ttft=0.1 * i, gaps=[0.01] * 3, tokens=4,
                                schema_valid=i % 2 == 0) for i in range(1, 11)]
