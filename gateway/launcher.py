@@ -159,6 +159,8 @@ def _ephemeral_start() -> int:
 # (TCP simultaneous open) and reading back its own request. Below the range no connection
 # takes a port.
 _PORTS = range(10000, min(_ephemeral_start(), 65536))
+# Its own generator: a caller's random.seed() must not make two launches pick the same ports.
+_port_rng = random.Random()
 
 
 def _port_free(port: int) -> bool:
@@ -176,7 +178,7 @@ def free_ports(n: int, taken: set[int]) -> int:
     below = len(_PORTS) >= 1000
     for _ in range(1000):
         if below:
-            base = random.randrange(_PORTS.start, _PORTS.stop - n)
+            base = _port_rng.randrange(_PORTS.start, _PORTS.stop - n)
         else:  # an unusual range: the kernel's choice
             with socket.socket() as s:
                 s.bind((_HOST, 0))
