@@ -33,7 +33,7 @@ class EngineHarness:
 
     def __init__(self, model_dir, slots: int = 4, max_model_len: int = 256, step_tokens: int = 64,
                  forced_tokens: bool = True, accept_first: bool = True, draft_tokens: int = 0,
-                 fused_sampling: bool | None = None):
+                 fused_sampling: bool | None = None, triton_masks: bool | None = None):
         # GRAMSERVE_TEST_DEVICE=cuda runs the same tests on a GPU (compiled kernel, CUDA graphs).
         device = torch.device(os.environ.get("GRAMSERVE_TEST_DEVICE", "cpu"))
         if device.type == "cuda" and device.index is None:
@@ -48,7 +48,8 @@ class EngineHarness:
             EngineConfig(num_slots=slots, max_model_len=max_model_len, step_tokens=step_tokens,
                          idle_poll_s=0.0, cuda_graph_max_tokens=step_tokens,
                          forced_tokens=forced_tokens, accept_first=accept_first,
-                         draft_tokens=draft_tokens, fused_sampling=fused_sampling),
+                         draft_tokens=draft_tokens, fused_sampling=fused_sampling,
+                         triton_masks=triton_masks),
             model, self.table, ControlChannel(None, 1), vocab_size=self.vocab.vocab_size,
             model_vocab_size=model.config.vocab_size, eos_token_ids=self.vocab.eos_token_ids,
             device=device, publish=self._outputs.extend)

@@ -1,6 +1,7 @@
 """The engine of one rank, in process: batch invariance, slot reuse (I5), mixed batches (I4),
 own matchers (I1), dead ends (I6) and the finish rules. Real model, real xgrammar, the real
-Triton kernel under the interpreter."""
+Triton mask kernel under the interpreter (`triton_masks`: a CPU worker applies masks with
+xgrammar's C++ kernel, which the last test holds to the same tokens)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def harness(model_dir):
-    return EngineHarness(model_dir, slots=4)
+    return EngineHarness(model_dir, slots=4, triton_masks=True)
 
 
 @pytest.fixture(scope="module")
@@ -456,3 +457,26 @@ def test_an_idle_engine_backs_off_and_wakes_at_once(model_dir):
     timer.start()
     eng.step()
     assert time.monotonic() - t0 < 0.4 and eng.drained.is_set()
+
+
+def test_cpu_mask_kernel_gives_the_triton_kernels_tokens_at_48_slots(model_dir, compiled):
+    # A CPU worker applies masks with xgrammar's C++ kernel (masks.apply_token_bitmask_cpu_);
+    # the engine tests above run the Triton kernel. 96 guided and unguided requests through
+    # 48 slots, greedy and seeded temperature, mask-first (no accept-first: every guided
+    # token is sampled from masked logits): the same tokens either way.
+    mix = constraint_mix()
+    rng = random.Random(7)
+    picks = [(n, rng.randrange(len(mix)), rng.choice([0.0, 0.8, 1.3])) for n in range(96)]
+    outs = []
+    for triton_masks in (True, False):
+        h = EngineHarness(model_dir, slots=48, accept_first=False, triton_masks=triton_masks)
+        outs.append(h.run([make(h, f"r{n}", prompt=f"item {n}", seed=n, max_tokens=40,
+                                temperature=t, compiled=compiled.get(i))
+                           for n, i, t in picks]))
+    triton_out, cpu_out = outs
+    for n, i, _ in picks:
+        a, b = triton_out[f"r{n}"], cpu_out[f"r{n}"]
+        assert (a.tokens, a.reason) == (b.tokens, b.reason), (n, mix[i][0])
+    guided = [n for n, i, _ in picks if mix[i][0] != "none"]
+    assert len(guided) > 48
+    assert all(cpu_out[f"r{n}"].reason == GRAMMAR_COMPLETED for n in guided)

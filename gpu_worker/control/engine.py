@@ -414,6 +414,10 @@ class EngineConfig:
     # num_slots (the scratch slot).
     cuda_graph_max_tokens: int = 0
     mask_fill_threads: int = 0       # xgrammar's batch fill threads (0 = one per core)
+    # Apply masks with the Triton kernel (None: on CUDA; on the CPU xgrammar's C++ kernel,
+    # gpu_worker.guided.masks.apply_token_bitmask_cpu_, unless this is True: the kernel under
+    # TRITON_INTERPRET=1, for tests of it in the engine).
+    triton_masks: bool | None = None
     forced_tokens: bool = True       # follow single-allowed tokens without sampling
     # A chain round (fill at once to follow a chain in the same step) costs about this share
     # of a step; rounds run only where they save more (gpu_worker.guided.forced.ChainRounds).
@@ -463,7 +467,8 @@ class Engine:
         self._outputs: dict[int, RowOutput] = {}  # id(request) -> this step's output
         self._inflight: _InFlight | None = None  # the sampled step whose tokens are on the way
         self.masks = MaskFiller(cfg.num_slots, model_vocab_size, device,
-                                fill_threads=cfg.mask_fill_threads or "auto")
+                                fill_threads=cfg.mask_fill_threads or "auto",
+                                triton=cfg.triton_masks)
         self.scan = ForcedScan(vocab_size, self.masks.width) if cfg.forced_tokens else None
         self.chain_rounds = ChainRounds(cfg.forced_round_cost)
         self.stats: Counter[str] = Counter()
