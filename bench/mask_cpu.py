@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         apply_token_bitmask_reference_(want, bitmask, index, vocab)
         ms = []
         for _, kernel in KERNELS:
-            def fn(x, kernel=kernel):
+            def fn(x, kernel=kernel, bitmask=bitmask, index=index, vocab=vocab):
                 kernel(x, bitmask, index, vocab)
                 return x
             if not torch.equal(fn(logits.clone()), want):
