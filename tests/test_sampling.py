@@ -203,3 +203,32 @@ def test_noise_hash_stays_within_int64_for_extreme_seeds():
     u = uniform_noise(seed, step, 1000)
     assert torch.isfinite(-(-u.log()).log()).all()
     assert math.isclose(u.mean().item(), 0.5, abs_tol=0.02)
+
+
+def test_cpu_noise_is_the_int64_hash_bit_for_bit():
+    # On the CPU uniform_noise runs the hash in NumPy uint32 (noise.noise_cpu); the int64
+    # form is what CUDA runs (and the fused kernel matches): the same bits for every seed,
+    # step and token, extremes included.
+    from gpu_worker.sampling import noise
+
+    seed = torch.tensor([-(2**63), 2**63 - 1, -1, 0, 12345, 2**31, 2**32 + 7], dtype=torch.int64)
+    step = torch.tensor([2**40, 0, 1, 2**32 - 1, 99, 2**31 - 1, 3], dtype=torch.int64)
+    n_cols = 70_000  # token ids past 2**16: every bit of the id feeds the hash
+    want = noise.noise_int64(noise.row_keys(seed, step), n_cols)
+    got = uniform_noise(seed, step, n_cols)
+    assert got.dtype == torch.float32 and got.shape == (7, n_cols)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_temperature_sampling_is_the_exponential_race_on_the_noise():
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(3))
+    logits[2, 100:] = float("-inf")  # a masked row
+    params = batch(6, temperature=[0.5, 1.0, 0.8, 1.7, 0.0, 1.0], seed=[9, 9, 4, 1, 2, 3],
+                   step=[0, 1, 2, 3, 4, 5])
+    tokens, dead = sample(logits, params)
+    u = uniform_noise(params.seed, params.step, 3000)
+    race = logits / params.temperature.clamp(min=1e-6)[:, None] - (-u.log()).log()
+    want = race.argmax(dim=-1)
+    want[4] = logits[4].argmax()  # temperature 0: greedy
+    assert tokens.tolist() == want.tolist() and not dead.any()
+    assert tokens[2] < 100

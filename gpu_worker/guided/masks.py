@@ -119,7 +119,7 @@ def apply_token_bitmask_cpu_(logits: torch.Tensor, bitmask: torch.Tensor,
     """`mask_kernel.apply_token_bitmask_` on CPU tensors, the same contract and errors, with
     xgrammar's C++ kernel. On the CPU our Triton kernel runs only in Triton's interpreter:
     0.23 s a step for 38 rows of the default model's 4k tokens, against 0.3 ms here
-    (bench/mask_cpu.py), which made guided requests on a CPU worker a fifteenth as fast as
+    (bench/cpu_worker.py), which made guided requests on a CPU worker a fifteenth as fast as
     free text. Columns at or past the effective vocabulary (xgrammar leaves them as they
     are) are set to -inf afterwards, as the kernel sets them."""
     n_valid = check_mask_args(logits, bitmask, rows, vocab_size)

@@ -191,7 +191,8 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, t
         # p / p_max >= min_p  <=>  scaled >= max(scaled) + log(min_p); log(0) = -inf keeps all.
         floor = scaled.amax(dim=-1, keepdim=True) + params.min_p.log()[:, None]
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-    noise = uniform_noise(params.seed, params.step, logits.shape[1])
-    sampled = (scaled - (-noise.log()).log()).argmax(dim=-1)  # exponential race
+    # Exponential race: argmax(scaled - log(-log u)); in place on the fresh noise tensor.
+    race = uniform_noise(params.seed, params.step, logits.shape[1]).log_().neg_().log_()
+    sampled = torch.sub(scaled, race, out=race).argmax(dim=-1)
     tokens = torch.where(params.temperature == 0, greedy, sampled)
     return tokens.masked_fill(dead, 0), dead
