@@ -28,12 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.serve import Stack, cpu_seconds, roles, run_load, say  # noqa: E402
-
-
-def _free_port() -> int:
-    from gateway.launcher import free_ports
-
-    return free_ports(1, set())
+from gateway.launcher import free_ports  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -103,7 +98,7 @@ def run(ns, model_dir: Path, out: Path) -> int:
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                GRAMSERVE_CUDA_GRAPH_MAX_BATCH=str(ns.slots))
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
-    port = _free_port()
+    port = free_ports(1, set())
     url = f"http://127.0.0.1:{port}"
     stack = Stack(["--device", ns.device, "--tp", "1", "--slots", str(ns.slots),
                    "--gateways", str(ns.gateways), "--http-port", str(port),

@@ -2,6 +2,8 @@
 
 Shared by the PyTorch sampler (sampler.py) and the fused CUDA kernel (kernel.py), which
 computes the same hash bit for bit, so a request gets the same noise on every path and rank.
+On CPU tensors the same hash runs in NumPy uint32 (`noise_cpu`), elsewhere in int64 PyTorch
+ops (`noise_int64`); tests/test_sampling.py holds the two to the same bits.
 """
 
 from __future__ import annotations
